@@ -1,0 +1,185 @@
+"""Reference implementation of range attention (DESIGN §2).
+
+Dumb and obviously right: float32 math in plain PyTorch, on any device. It is
+the CPU implementation of the ``flashrange`` ops and the oracle for every test
+of the Triton kernels, which share its signatures.
+
+Memory stays bounded: query rows are processed in chunks, so the largest
+temporary is ``(Hq, chunk, Tk)`` float32, never ``(Tq, Tk)`` for large inputs.
+
+Ranges are clamped to the tensors and unknown mask types contribute nothing,
+exactly as the kernels do with garbage ranges; eager front-ends validate and
+raise before reaching this code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["range_attention_forward", "range_attention_backward", "coverage_counts"]
+
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+
+# Upper bound on the elements of one (Hq, chunk, Tk) float32 score block.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk):
+    """Host list of non-empty slices ``(qs, qe, ks, ke, type)``, clamped to the tensors."""
+    out = []
+    qr = q_ranges.reshape(-1, 2).tolist()
+    kr = k_ranges.reshape(-1, 2).tolist()
+    mt = mask_types.reshape(-1).tolist()
+    for (qs, qe), (ks, ke), t in zip(qr, kr, mt):
+        qs, qe = min(max(qs, 0), Tq), min(max(qe, 0), Tq)
+        ks, ke = min(max(ks, 0), Tk), min(max(ke, 0), Tk)
+        if qe <= qs or ke <= ks or t not in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):
+            continue
+        out.append((qs, qe, ks, ke, t))
+    return out
+
+
+def _slice_cells(qs, qe, ks, ke, t, rows, device):
+    """Bool ``(len(rows), ke - ks)``: which cells of rows ``rows`` the slice covers."""
+    i = rows.to(device).unsqueeze(1) - qs
+    j = torch.arange(ke - ks, device=device).unsqueeze(0)
+    lq, lk = qe - qs, ke - ks
+    inside = (i >= 0) & (i < lq)
+    if t == FULL:
+        return inside.expand(-1, lk)
+    below = j <= i + (lk - lq)
+    above = j >= i
+    if t == CAUSAL:
+        return inside & below
+    if t == INV_CAUSAL:
+        return inside & above
+    return inside & below & above
+
+
+def _chunk_counts(slices, row0, row1, Tk, device):
+    """Float32 ``(row1 - row0, Tk)``: how many slices cover each cell of the rows."""
+    cnt = torch.zeros(row1 - row0, Tk, dtype=torch.float32, device=device)
+    rows = torch.arange(row0, row1, device=device)
+    for qs, qe, ks, ke, t in slices:
+        if qe <= row0 or qs >= row1:
+            continue
+        cnt[:, ks:ke] += _slice_cells(qs, qe, ks, ke, t, rows, device).float()
+    return cnt
+
+
+def coverage_counts(q_ranges, k_ranges, mask_types, Tq, Tk):
+    """Int32 ``(Tq, Tk)``: how many slices cover each cell (overlaps count twice).
+
+    Dense: meant for tests and pictures of small masks.
+    """
+    slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
+    return _chunk_counts(slices, 0, Tq, Tk, q_ranges.device).to(torch.int32)
+
+
+def _chunk_rows(Hq, Tk):
+    return max(1, min(1024, _CHUNK_ELEMENTS // max(1, Hq * Tk)))
+
+
+def _scores(qc, k, scale, softcap):
+    """Float32 scores ``(Hkv, G, C, Tk)`` of a query chunk ``(C, Hkv, G, D)``."""
+    s = torch.einsum("cngd,knd->ngck", qc, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def _check_shapes(q, k, v):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q, k, v must be (T, H, D) tensors")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
+
+
+def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0):
+    """Reference forward.
+
+    `q`: `(Tq, Hq, D)`, `k`: `(Tk, Hkv, D)`, `v`: `(Tk, Hkv, Dv)`,
+    `q_ranges`, `k_ranges`: `(S, 2)` int32, `mask_types`: `(S,)` int32.
+    Returns `out`: `(Tq, Hq, Dv)` in q's dtype and `lse`: `(Tq, Hq)` float32.
+    """
+    _check_shapes(q, k, v)
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dv = v.shape
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    dev = q.device
+    out = torch.zeros(Tq, Hq, Dv, dtype=torch.float32, device=dev)
+    lse = torch.full((Tq, Hq), float("-inf"), dtype=torch.float32, device=dev)
+    slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if not slices or Tq == 0 or Tk == 0:
+        return out.to(q.dtype), lse
+    kf, vf = k.float(), v.float()
+    step = _chunk_rows(Hq, Tk)
+    for r0 in range(0, Tq, step):
+        r1 = min(Tq, r0 + step)
+        cnt = _chunk_counts(slices, r0, r1, Tk, dev)
+        if not bool((cnt > 0).any()):
+            continue
+        s = _scores(q[r0:r1].float().view(r1 - r0, Hkv, G, D), kf, scale, softcap)
+        logits = s + torch.log(cnt)  # log(0) = -inf removes uncovered cells
+        m = logits.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(logits - m)
+        l = p.sum(dim=-1, keepdim=True)
+        o = torch.einsum("ngck,knd->cngd", p, vf)
+        l_c = l.squeeze(-1).permute(2, 0, 1).unsqueeze(-1)  # (C, Hkv, G, 1)
+        o = torch.where(l_c > 0, o / l_c.clamp_min(1e-30), torch.zeros_like(o))
+        out[r0:r1] = o.reshape(r1 - r0, Hq, Dv)
+        lse[r0:r1] = (m + torch.log(l)).squeeze(-1).permute(2, 0, 1).reshape(r1 - r0, Hq)
+    return out.to(q.dtype), lse
+
+
+def range_attention_backward(
+    dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, dlse=None
+):
+    """Reference backward: returns `(dq, dk, dv)` in the dtypes of `q, k, v`.
+
+    `dout`: `(Tq, Hq, Dv)`, `out`: `(Tq, Hq, Dv)`, `lse`: `(Tq, Hq)` float32 as
+    the forward returned them; `dlse`: optional `(Tq, Hq)` gradient of `lse`.
+    """
+    _check_shapes(q, k, v)
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dv = v.shape
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    dev = q.device
+    dq = torch.zeros(Tq, Hq, D, dtype=torch.float32, device=dev)
+    dk = torch.zeros(Tk, Hkv, D, dtype=torch.float32, device=dev)
+    dv = torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=dev)
+    slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if slices and Tq > 0 and Tk > 0:
+        kf, vf = k.float(), v.float()
+        # delta_i = sum_d dO_i * O_i - dlse_i: the softmax Jacobian's row term.
+        delta = (dout.float() * out.float()).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        step = _chunk_rows(Hq, Tk)
+        for r0 in range(0, Tq, step):
+            r1 = min(Tq, r0 + step)
+            C = r1 - r0
+            cnt = _chunk_counts(slices, r0, r1, Tk, dev)
+            if not bool((cnt > 0).any()):
+                continue
+            qc = q[r0:r1].float().view(C, Hkv, G, D)
+            s = _scores(qc, kf, scale, softcap)
+            lse_c = lse[r0:r1].float().view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
+            lse_safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))
+            p = cnt * torch.exp(s - lse_safe)  # rows with lse = -inf get p = 0
+            do_c = dout[r0:r1].float().view(C, Hkv, G, Dv)
+            dv += torch.einsum("ngck,cngd->knd", p, do_c)
+            dp = torch.einsum("cngd,knd->ngck", do_c, vf)
+            delta_c = delta[r0:r1].view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
+            ds = p * (dp - delta_c)
+            if softcap > 0:
+                ds = ds * (1.0 - (s / softcap) ** 2)
+            ds = ds * scale
+            dq[r0:r1] = torch.einsum("ngck,knd->cngd", ds, kf).reshape(C, Hq, D)
+            dk += torch.einsum("ngck,cngd->knd", ds, qc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
