@@ -30,7 +30,7 @@ import torch
 
 from .reference import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 
-__all__ = ["RangePlan", "build_plan", "MAX_TOKENS"]
+__all__ = ["RangePlan", "build_plan", "build_plan_torch", "MAX_TOKENS"]
 
 # Canonical sort keys pack two coordinates in one int64: 30 bits each.
 MAX_TOKENS = (1 << 30) - 1
@@ -119,13 +119,30 @@ def _block_work(starts, segs, valid, T, n_blocks, block):
     return padded.view(n_blocks, block).sum(1)
 
 
-def build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False):
+def build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False, backend=None):
     """Work lists for a kernel whose programs own blocks of ``block`` queries.
 
     With ``transpose=True`` the programs own blocks of ``block`` keys (the
     dK/dV backward). `q_ranges`, `k_ranges`: `(S, 2)` int32; `mask_types`:
     `(S,)` int32; all on the same device. Returns a :class:`RangePlan`.
+
+    ``backend``: ``"triton"`` (three launches, the default on CUDA) or
+    ``"torch"`` (plain PyTorch ops, the default elsewhere); both give
+    identical plans.
     """
+    if backend is None:
+        backend = "triton" if q_ranges.is_cuda else "torch"
+    if backend == "triton":
+        from .kernels.plan import build_plan_triton
+
+        return build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    return build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
+
+
+def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False):
+    """:func:`build_plan` in plain PyTorch ops: readable, any device, ~100 small launches."""
     dev = q_ranges.device
     qr = q_ranges.reshape(-1, 2).long()
     kr = k_ranges.reshape(-1, 2).long()
