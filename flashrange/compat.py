@@ -1,0 +1,248 @@
+"""Drop-in front-ends with the argument names and return shapes of other libraries.
+
+- :func:`flex_flash_attn_func`: MagiAttention's FFA interface (ranges + types).
+- :func:`flash_attn_func`, :func:`flash_attn_varlen_func`: FlashAttention-3's
+  padded ``(B, S, H, D)`` and packed varlen interfaces, causal and windows
+  aligned to the bottom-right corner as in FA3.
+
+All run on the ``flashrange::fwd`` op through :func:`flashrange.range_attention`
+(so eager calls validate ranges, compiled ones do not). The FA3 front-ends
+build their slices **on the device** from ``cu_seqlens`` with elementwise
+ops: no ``.item()``, no host copy, slice counts that depend only on the batch
+size and the (static) window, so they trace under
+``torch.compile(fullgraph=True)`` and run under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .interface import range_attention
+from .mask import window_slices
+
+__all__ = ["flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func"]
+
+# FA3 arguments that change the result and that flashrange does not implement.
+_FA3_UNSUPPORTED = ("qv", "q_descale", "k_descale", "v_descale", "alibi_slopes", "sink", "learnable_sink")
+# FA3 arguments that only tune speed or are already the behaviour here.
+_FA3_TUNING = ("num_splits", "pack_gqa", "sm_margin", "scheduler_metadata", "cp_world_size", "cp_rank", "cp_tot_seqused_k")
+
+
+def flex_flash_attn_func(
+    q,
+    k,
+    v,
+    q_ranges,
+    k_ranges,
+    attn_type_map=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    softmax_scale=None,
+    softcap=0.0,
+    deterministic=False,
+    **ignored_tuning_flags,
+):
+    """MagiAttention-style ``flex_flash_attn_func``: attention over ranges, returns ``(out, lse)``.
+
+    Args:
+        q: `(Tq, Hq, D)`; k: `(Tk, Hkv, D)`; v: `(Tk, Hkv, Dv)`.
+        q_ranges, k_ranges: `(S, 2)` int32 on q's device.
+        attn_type_map: `(S,)` int32 types (0 FULL, 1 CAUSAL, 2 INV_CAUSAL,
+            3 BI_CAUSAL); ``None`` means all FULL.
+        max_seqlen_q, max_seqlen_k: accepted and unused. The older positional
+            order ``(..., k_ranges, max_seqlen_q, max_seqlen_k, attn_type_map)``
+            is recognised when an int sits in ``attn_type_map``'s place.
+        softmax_scale: defaults to `1 / sqrt(D)`; softcap: `0` disables.
+        deterministic: accepted; flashrange is always deterministic.
+        ignored_tuning_flags: MagiAttention's speed knobs (``sm_margin``,
+            ``disable_fwd_atomic_reduction``, ``auto_range_merge``,
+            ``ref_block_size``...) are accepted and ignored; ``sink`` is
+            not supported and raises.
+
+    Returns:
+        ``out`` `(Tq, Hq, Dv)` in q's dtype and ``lse`` `(Tq, Hq)` float32.
+    """
+    if ignored_tuning_flags.get("sink") is not None:
+        raise NotImplementedError("flashrange does not implement attention sinks (sink=...); pass sink=None")
+    if attn_type_map is not None and not isinstance(attn_type_map, torch.Tensor):
+        # Older MagiAttention order: (..., max_seqlen_q, max_seqlen_k, attn_type_map).
+        attn_type_map, max_seqlen_q, max_seqlen_k = max_seqlen_k, attn_type_map, max_seqlen_q
+        if attn_type_map is not None and not isinstance(attn_type_map, torch.Tensor):
+            raise ValueError(
+                f"attn_type_map must be an int32 tensor of shape (S,) or None, got {type(attn_type_map).__name__}"
+            )
+    if attn_type_map is None:
+        if not isinstance(q_ranges, torch.Tensor) or q_ranges.dim() != 2:
+            raise ValueError("q_ranges must be an int32 tensor of shape (S, 2)")
+        attn_type_map = torch.zeros(q_ranges.shape[0], dtype=torch.int32, device=q_ranges.device)
+    return range_attention(
+        q, k, v, q_ranges, k_ranges, attn_type_map,
+        softmax_scale=softmax_scale, softcap=softcap,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+
+
+def _fa3_window(causal, window_size, extra):
+    """``(left, right)`` as FA3 applies them (causal = right side 0); reject unsupported extras."""
+    for name in _FA3_UNSUPPORTED:
+        if extra.get(name) is not None:
+            raise NotImplementedError(f"flashrange does not implement FA3's {name}=...; pass {name}=None")
+    if extra.get("attention_chunk", 0):
+        raise NotImplementedError(
+            "flashrange's FA3 front-end does not implement attention_chunk; build the mask with "
+            "RangeMask.chunked_causal / window_slices and call range_attention"
+        )
+    if extra.get("dropout_p", 0.0):
+        raise NotImplementedError("flashrange does not implement attention dropout; pass dropout_p=0")
+    unknown = set(extra) - set(_FA3_UNSUPPORTED) - set(_FA3_TUNING) - {"attention_chunk", "dropout_p"}
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from e
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {tuple(window_size)!r}")
+    if causal:
+        right = 0
+    return left, right
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    return_attn_probs=False,
+    **fa3_flags,
+):
+    """FlashAttention-3-style attention on padded batches.
+
+    Args:
+        q: `(B, Sq, Hq, D)`; k: `(B, Sk, Hkv, D)`; v: `(B, Sk, Hkv, Dv)`;
+            ``Sq`` may differ from ``Sk``.
+        causal: query ``i`` attends key ``j <= i + Sk - Sq`` (bottom-right).
+        window_size: ``(left, right)``: query ``i`` attends keys
+            ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; ``-1`` is
+            unbounded; ``causal`` forces ``right = 0``.
+        softmax_scale: defaults to `1 / sqrt(D)`; softcap: `0` disables.
+        deterministic: accepted; flashrange is always deterministic.
+        return_attn_probs: as in FA3, returns the log-sum-exp, not probabilities.
+        fa3_flags: FA3's speed knobs (``num_splits``, ``pack_gqa``,
+            ``sm_margin``) are ignored; ``qv``, descales, ``attention_chunk``
+            and dropout raise ``NotImplementedError``.
+
+    Rows that see no key (top rows of a causal mask with ``Sq > Sk``) get
+    ``out = 0`` and ``lse = -inf``.
+
+    Returns:
+        ``out`` `(B, Sq, Hq, Dv)`, or ``(out, lse)`` with ``lse`` `(B, Hq, Sq)`
+        float32 when ``return_attn_probs``.
+    """
+    left, right = _fa3_window(causal, window_size, fa3_flags)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be (batch, seqlen, heads, head_dim), got {shape}; "
+                "for packed (total, heads, head_dim) inputs use flash_attn_varlen_func"
+            )
+    B, Sq, Hq, _ = q.shape
+    Sk = k.shape[1]
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if v.shape[1] != Sk:
+        raise ValueError(f"k and v must share the sequence length, got {k.shape[1]} and {v.shape[1]}")
+    b = torch.arange(B, device=q.device, dtype=torch.int64)
+    q_ranges, k_ranges, mask_types = window_slices(b * Sq, (b + 1) * Sq, b * Sk, (b + 1) * Sk, left, right)
+    out, lse = range_attention(
+        q.reshape(B * Sq, Hq, q.shape[3]),
+        k.reshape(B * Sk, k.shape[2], k.shape[3]),
+        v.reshape(B * Sk, v.shape[2], v.shape[3]),
+        q_ranges, k_ranges, mask_types,
+        softmax_scale=softmax_scale, softcap=softcap,
+    )
+    out = out.view(B, Sq, Hq, v.shape[3])
+    if not return_attn_probs:
+        return out
+    return out, lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    return_attn_probs=False,
+    **fa3_flags,
+):
+    """FlashAttention-3-style attention on packed variable-length sequences.
+
+    Args:
+        q: `(total_q, Hq, D)`; k: `(total_k, Hkv, D)`; v: `(total_k, Hkv, Dv)`.
+        cu_seqlens_q, cu_seqlens_k: `(B + 1,)` int32 cumulative lengths on
+            q's device (sequence ``b`` is ``[cu[b], cu[b + 1])``).
+        max_seqlen_q, max_seqlen_k: accepted for compatibility; unused (the
+            mask needs at most 3 slices per sequence whatever the lengths).
+        seqused_q, seqused_k: optional `(B,)` int32: only the first
+            ``seqused[b]`` tokens of sequence ``b`` take part. Query rows beyond
+            get ``out = 0``, ``lse = -inf`` and zero gradients (FA3 leaves them
+            undefined); keys beyond are not attended.
+        causal, window_size: as in FA3, per sequence, aligned bottom-right
+            (``off = Lk - Lq`` with the used lengths).
+        softmax_scale, softcap, deterministic, return_attn_probs, fa3_flags:
+            as in :func:`flash_attn_func`.
+
+    Returns:
+        ``out`` `(total_q, Hq, Dv)`, or ``(out, lse)`` with ``lse``
+        `(Hq, total_q)` float32 when ``return_attn_probs``.
+    """
+    left, right = _fa3_window(causal, window_size, fa3_flags)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor of B + 1 cumulative lengths, got {t!r}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    qs, qe, ks, ke = cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]
+    for name, used, start, end in (("seqused_q", seqused_q, qs, "qe"), ("seqused_k", seqused_k, ks, "ke")):
+        if used is None:
+            continue
+        if not isinstance(used, torch.Tensor) or used.dim() != 1 or used.shape[0] != qs.shape[0]:
+            raise ValueError(f"{name} must be a (B,) = ({qs.shape[0]},) int32 tensor, got {used!r}")
+        if used.device != q.device:
+            raise ValueError(f"{name} is on {used.device} but q is on {q.device}; move it with {name}.to(q.device)")
+    if seqused_q is not None:
+        qe = torch.minimum(qe, qs + seqused_q.long().clamp(min=0))
+    if seqused_k is not None:
+        ke = torch.minimum(ke, ks + seqused_k.long().clamp(min=0))
+    q_ranges, k_ranges, mask_types = window_slices(qs, qe, ks, ke, left, right)
+    out, lse = range_attention(
+        q, k, v, q_ranges, k_ranges, mask_types,
+        softmax_scale=softmax_scale, softcap=softcap,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+    if not return_attn_probs:
+        return out
+    return out, lse.transpose(0, 1).contiguous()
