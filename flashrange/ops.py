@@ -58,7 +58,8 @@ def _fwd_cuda(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
 @fwd.register_fake
 def _fwd_fake(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+    # The reference keeps float64 inputs in float64 (lse included).
+    lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     return out, lse
 
 

@@ -1,6 +1,8 @@
 """Reference implementation of range attention (DESIGN §2).
 
-Dumb and obviously right: float32 math in plain PyTorch, on any device. It is
+Dumb and obviously right: float32 math in plain PyTorch, on any device
+(float64 math, and a float64 ``lse``, for float64 inputs, so that tests can
+check it against a float64 golden result to ~1e-10). It is
 the CPU implementation of the ``flashrange`` ops and the oracle for every test
 of the Triton kernels, which share its signatures.
 
@@ -58,14 +60,19 @@ def _slice_cells(qs, qe, ks, ke, t, rows, device):
     return inside & below & above
 
 
-def _chunk_counts(slices, row0, row1, Tk, device):
-    """Float32 ``(row1 - row0, Tk)``: how many slices cover each cell of the rows."""
-    cnt = torch.zeros(row1 - row0, Tk, dtype=torch.float32, device=device)
+def _acc_dtype(dtype):
+    """Math dtype: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_counts(slices, row0, row1, Tk, device, dtype=torch.float32):
+    """Float ``(row1 - row0, Tk)``: how many slices cover each cell of the rows."""
+    cnt = torch.zeros(row1 - row0, Tk, dtype=dtype, device=device)
     rows = torch.arange(row0, row1, device=device)
     for qs, qe, ks, ke, t in slices:
         if qe <= row0 or qs >= row1:
             continue
-        cnt[:, ks:ke] += _slice_cells(qs, qe, ks, ke, t, rows, device).float()
+        cnt[:, ks:ke] += _slice_cells(qs, qe, ks, ke, t, rows, device).to(dtype)
     return cnt
 
 
@@ -102,7 +109,8 @@ def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_sca
 
     `q`: `(Tq, Hq, D)`, `k`: `(Tk, Hkv, D)`, `v`: `(Tk, Hkv, Dv)`,
     `q_ranges`, `k_ranges`: `(S, 2)` int32, `mask_types`: `(S,)` int32.
-    Returns `out`: `(Tq, Hq, Dv)` in q's dtype and `lse`: `(Tq, Hq)` float32.
+    Returns `out`: `(Tq, Hq, Dv)` in q's dtype and `lse`: `(Tq, Hq)` float32
+    (float64 for float64 inputs).
     """
     _check_shapes(q, k, v)
     Tq, Hq, D = q.shape
@@ -110,19 +118,20 @@ def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_sca
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     dev = q.device
-    out = torch.zeros(Tq, Hq, Dv, dtype=torch.float32, device=dev)
-    lse = torch.full((Tq, Hq), float("-inf"), dtype=torch.float32, device=dev)
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(Tq, Hq, Dv, dtype=acc, device=dev)
+    lse = torch.full((Tq, Hq), float("-inf"), dtype=acc, device=dev)
     slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
     if not slices or Tq == 0 or Tk == 0:
         return out.to(q.dtype), lse
-    kf, vf = k.float(), v.float()
+    kf, vf = k.to(acc), v.to(acc)
     step = _chunk_rows(Hq, Tk)
     for r0 in range(0, Tq, step):
         r1 = min(Tq, r0 + step)
-        cnt = _chunk_counts(slices, r0, r1, Tk, dev)
+        cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
         if not bool((cnt > 0).any()):
             continue
-        s = _scores(q[r0:r1].float().view(r1 - r0, Hkv, G, D), kf, scale, softcap)
+        s = _scores(q[r0:r1].to(acc).view(r1 - r0, Hkv, G, D), kf, scale, softcap)
         logits = s + torch.log(cnt)  # log(0) = -inf removes uncovered cells
         m = logits.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -150,29 +159,30 @@ def range_attention_backward(
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     dev = q.device
-    dq = torch.zeros(Tq, Hq, D, dtype=torch.float32, device=dev)
-    dk = torch.zeros(Tk, Hkv, D, dtype=torch.float32, device=dev)
-    dv = torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=dev)
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(Tq, Hq, D, dtype=acc, device=dev)
+    dk = torch.zeros(Tk, Hkv, D, dtype=acc, device=dev)
+    dv = torch.zeros(Tk, Hkv, Dv, dtype=acc, device=dev)
     slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
     if slices and Tq > 0 and Tk > 0:
-        kf, vf = k.float(), v.float()
+        kf, vf = k.to(acc), v.to(acc)
         # delta_i = sum_d dO_i * O_i - dlse_i: the softmax Jacobian's row term.
-        delta = (dout.float() * out.float()).sum(-1)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
         if dlse is not None:
-            delta = delta - dlse.float()
+            delta = delta - dlse.to(acc)
         step = _chunk_rows(Hq, Tk)
         for r0 in range(0, Tq, step):
             r1 = min(Tq, r0 + step)
             C = r1 - r0
-            cnt = _chunk_counts(slices, r0, r1, Tk, dev)
+            cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
             if not bool((cnt > 0).any()):
                 continue
-            qc = q[r0:r1].float().view(C, Hkv, G, D)
+            qc = q[r0:r1].to(acc).view(C, Hkv, G, D)
             s = _scores(qc, kf, scale, softcap)
-            lse_c = lse[r0:r1].float().view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
+            lse_c = lse[r0:r1].to(acc).view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
             lse_safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))
             p = cnt * torch.exp(s - lse_safe)  # rows with lse = -inf get p = 0
-            do_c = dout[r0:r1].float().view(C, Hkv, G, Dv)
+            do_c = dout[r0:r1].to(acc).view(C, Hkv, G, Dv)
             dv += torch.einsum("ngck,cngd->knd", p, do_c)
             dp = torch.einsum("cngd,knd->ngck", do_c, vf)
             delta_c = delta[r0:r1].view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
