@@ -1,0 +1,415 @@
+"""Hugging Face ``transformers`` backend: ``attn_implementation="flashrange"``.
+
+::
+
+    import flashrange.integrations.transformers  # registers "flashrange"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flashrange")
+    # or, on a loaded model: model.set_attn_implementation("flashrange")
+
+Importing this module calls :func:`register`, which adds two entries under
+the name ``"flashrange"``: an attention function to transformers'
+``AttentionInterface`` and a mask function to its ``AttentionMaskInterface``.
+The mask function keeps the 2-D padding mask as it is (``(B, kv_len)``
+bool, or ``None``), so transformers never builds a dense 4-D mask for this
+backend; the attention function turns that mask, or the packing carried by
+``position_ids`` / ``cu_seq_lens_q/k``, into range slices on the device and
+calls the ``flashrange::fwd`` op.
+
+Range building is elementwise tensor work with static shapes (``argmax``,
+``cummin``, ``where``): no ``.item()``, no ``nonzero``, so a model traces
+under ``torch.compile(fullgraph=True)`` with no graph break, and packed
+batches whose document count changes never recompile (the slice list has a
+fixed capacity, ``B * S`` documents, padded with empty slices).
+
+What each layer gets (``S_q`` queries, ``S_k`` keys per row, ``B`` rows):
+
+- **Padding** (a 2-D ``attention_mask``): one document per row, the row's
+  run of 1s. Query ``i`` of a row sits at key position ``i + S_k - S_q``
+  (queries are the last keys: a KV cache). Padded query positions get a zero
+  output (as FlashAttention's unpadding does); they never reach a real token.
+- **Packing** (no ``attention_mask``, ``S_q == S_k``): ``cu_seq_lens_q/k``
+  when given (FlashAttention convention, offsets into the ``B * S`` flat
+  tokens), else ``position_ids``: a document starts wherever the position does
+  not go up by exactly 1 from the previous token, the rule transformers'
+  own masks use (so positions restarting at 0, as ``DataCollatorWithFlattening``
+  produces, split documents).
+- **Causal** layers get one bottom-right-aligned ``CAUSAL`` slice per
+  document; **sliding-window** layers the window ``0 <= q - k < sliding_window``
+  (transformers' ``kv_idx > q_idx - sliding_window``), as at most three
+  slices per document (:func:`flashrange.mask.window_slices`).
+- **Bidirectional** layers (encoders, ``is_causal=False``, cross-attention):
+  every query of a row attends the row's unpadded keys (``FULL`` slices).
+- GQA/MQA, the module's ``scaling`` and ``softcap`` (Gemma-2's
+  ``attn_logit_softcapping``) go to the op as they are.
+
+Unsupported inputs raise ``ValueError`` / ``NotImplementedError`` with what
+to do instead: dense 4-D masks or additive biases, attention dropout > 0,
+``output_attentions=True``, attention sinks (``s_aux``), position biases,
+masks with holes (eager check), static KV caches, chunked attention,
+bidirectional sliding windows and custom mask overlays (``or_mask_function``
+or ``and_mask_function``, e.g. bidirectional image tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import transformers  # noqa: F401
+    from transformers import AttentionInterface
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "flashrange.integrations.transformers needs Hugging Face transformers (>= 4.56): "
+        "pip install 'flashrange[transformers]'"
+    ) from e
+
+from .. import ops
+from ..interface import _values_checkable, check_inputs, check_range_values, resolve_scale
+from ..mask import window_slices
+from ..reference import CAUSAL, FULL
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "register",
+    "flashrange_attention_forward",
+    "flashrange_mask",
+    "build_ranges",
+]
+
+ATTN_IMPLEMENTATION = "flashrange"
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+def _causal_slices(qs, qe, ks, ke, window):
+    """Slices of causal (optionally windowed) documents, bottom-right aligned.
+
+    ``qs, qe, ks, ke``: int64 ``(N,)``, document ``n`` is queries
+    ``[qs[n], qe[n])`` by keys ``[ks[n], ke[n])``. Returns ``q_ranges``,
+    ``k_ranges`` ``(P*N, 2)`` and ``mask_types`` ``(P*N,)`` int32, with
+    ``P = 1`` without a window and ``3`` with one; empty slices are
+    ``[0, 0)``.
+    """
+    if window is not None:
+        # transformers' sliding window keeps q - k < window: FA's (window - 1, 0).
+        return window_slices(qs, qe, ks, ke, int(window) - 1, 0)
+    empty = (qe <= qs) | (ke <= ks)
+    zero = torch.zeros_like(qs)
+    q_ranges = torch.stack([torch.where(empty, zero, qs), torch.where(empty, zero, qe)], dim=1)
+    k_ranges = torch.stack([torch.where(empty, zero, ks), torch.where(empty, zero, ke)], dim=1)
+    types = torch.where(empty, zero, torch.full_like(qs, CAUSAL))
+    return q_ranges.to(torch.int32), k_ranges.to(torch.int32), types.to(torch.int32)
+
+
+def _full_slices(qs, qe, ks, ke):
+    """One ``FULL`` slice per document (bidirectional attention); empties become ``[0, 0)``."""
+    return window_slices(qs, qe, ks, ke, -1, -1)
+
+
+def _padding_documents(mask, Sq, Sk, causal):
+    """Per-row documents from a 2-D padding mask ``(B, Sk)`` bool: int64 ``(B,)`` each.
+
+    The keys of row ``b`` are its run of 1s ``[first, last + 1)``. Causal rows
+    keep the queries that sit on those keys (query ``i`` is key ``i + Sk - Sq``);
+    bidirectional rows keep every query.
+    """
+    B = mask.shape[0]
+    dev = mask.device
+    m = mask.to(torch.int32)
+    has_keys = mask.any(dim=1)
+    zero = torch.zeros(B, dtype=torch.int64, device=dev)
+    # argmax returns the first maximal index: the first 1, and from the end the last 1.
+    first = torch.where(has_keys, torch.argmax(m, dim=1), zero)
+    end = torch.where(has_keys, Sk - torch.argmax(m.flip(1), dim=1), zero)
+    if _values_checkable(mask):
+        lengths = m.sum(dim=1)
+        bad = lengths != (end - first)
+        if bool(bad.any()):
+            row = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(
+                f"attention_mask row {row} has holes (its 1s are not one contiguous run); the flashrange "
+                "backend supports left or right padding only. Pack the sequences instead (position_ids "
+                "restarting at 0, or cu_seq_lens_q/k) or use attn_implementation='sdpa'."
+            )
+    base_q = torch.arange(B, dtype=torch.int64, device=dev) * Sq
+    base_k = torch.arange(B, dtype=torch.int64, device=dev) * Sk
+    if causal:
+        off = Sk - Sq
+        qs = torch.clamp(first - off, min=0)
+        qe = torch.clamp(end - off, min=0)
+    else:
+        qs, qe = zero, torch.full_like(zero, Sq)
+    return base_q + qs, base_q + qe, base_k + first, base_k + end
+
+
+def _packed_documents(position_ids, B, S):
+    """Documents of packed rows from ``position_ids`` ``(B or 1, S)``: int64 ``(B*S,)`` each.
+
+    A document starts at token 0 of a row and wherever the position does not
+    grow by exactly 1. Every token position gets a slot; the slot of a token
+    that starts a document holds ``[t, next start)``, the others are empty,
+    so the count is static.
+    """
+    if position_ids.dim() != 2 or position_ids.shape[-1] != S or position_ids.shape[0] not in (1, B):
+        raise ValueError(
+            f"position_ids must have shape ({B}, {S}) or (1, {S}) to describe packed documents, got "
+            f"{tuple(position_ids.shape)}; pass cu_seq_lens_q/k instead for other layouts"
+        )
+    dev = position_ids.device
+    pos = position_ids.to(torch.int64).expand(B, S)
+    starts = torch.ones(B, S, dtype=torch.bool, device=dev)
+    starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+    t = torch.arange(S, dtype=torch.int64, device=dev).expand(B, S)
+    never = torch.full((B, S), S, dtype=torch.int64, device=dev)
+    start_at = torch.where(starts, t, never)
+    # end of the document opened at t = the first start after t: a suffix minimum.
+    after = torch.cat([start_at[:, 1:], never[:, :1]], dim=1)
+    end = torch.flip(torch.cummin(torch.flip(after, dims=[1]), dim=1).values, dims=[1])
+    base = (torch.arange(B, dtype=torch.int64, device=dev) * S).unsqueeze(1)
+    qs = (base + t).reshape(-1)
+    qe = (base + torch.where(starts, end, t)).reshape(-1)
+    return qs, qe, qs, qe
+
+
+def build_ranges(
+    batch_size,
+    q_len,
+    kv_len,
+    *,
+    attention_mask=None,
+    position_ids=None,
+    cu_seq_lens_q=None,
+    cu_seq_lens_k=None,
+    causal=True,
+    sliding_window=None,
+    device=None,
+):
+    """Slices for one attention layer of a transformers model, built on the device.
+
+    The queries of the layer are flattened to ``Tq = batch_size * q_len``
+    tokens and the keys to ``Tk = batch_size * kv_len`` (row-major, as
+    ``(B, S, H, D) -> (B*S, H, D)``).
+
+    Args:
+        attention_mask: ``(B, kv_len)`` bool padding mask (one run of 1s per
+            row), or ``None``.
+        position_ids: ``(B or 1, q_len)``; used for packing when there is no
+            ``attention_mask``, the layer is causal and ``q_len == kv_len``.
+        cu_seq_lens_q, cu_seq_lens_k: ``(N + 1,)`` cumulative document
+            lengths over the flat tokens; take precedence over ``position_ids``.
+        causal: bottom-right causal documents, else bidirectional (``FULL``).
+        sliding_window: keys with ``0 <= q - k < sliding_window`` (causal only).
+
+    Returns:
+        ``q_ranges (S, 2)``, ``k_ranges (S, 2)``, ``mask_types (S,)`` int32,
+        where ``S`` depends only on shapes, never on the values.
+    """
+    B, Sq, Sk = int(batch_size), int(q_len), int(kv_len)
+    if sliding_window is not None and not causal:
+        raise NotImplementedError(
+            "bidirectional sliding-window attention is not supported by the flashrange backend; "
+            "use attn_implementation='sdpa' for this model"
+        )
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"the flashrange backend takes a 2-D bool padding mask (B, kv_len), got a "
+                f"{attention_mask.dim()}-D {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}"
+            )
+        if tuple(attention_mask.shape) != (B, Sk):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the layer has {B} rows of "
+                f"{Sk} keys; static KV caches are not supported by the flashrange backend (use the "
+                "default dynamic cache)"
+            )
+        docs = _padding_documents(attention_mask, Sq, Sk, causal)
+    elif causal and cu_seq_lens_q is not None:
+        cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int64).reshape(-1)
+        cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(device=device, dtype=torch.int64).reshape(-1)
+        if cu_q.numel() < 2 or cu_k.numel() != cu_q.numel():
+            raise ValueError(
+                f"cu_seq_lens_q and cu_seq_lens_k must be (N + 1,) cumulative lengths of the same N >= 1 "
+                f"documents, got {cu_q.numel()} and {cu_k.numel()} values"
+            )
+        docs = (cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])
+    elif causal and position_ids is not None and Sq == Sk:
+        docs = _packed_documents(position_ids.to(device), B, Sq)
+    else:
+        rows = torch.arange(B, dtype=torch.int64, device=device)
+        docs = (rows * Sq, rows * Sq + Sq, rows * Sk, rows * Sk + Sk)
+    if causal:
+        return _causal_slices(*docs, sliding_window)
+    return _full_slices(*docs)
+
+
+# --------------------------------------------------------------------------- transformers hooks
+
+
+def _check_supported(dropout, attention_mask, kwargs):
+    if kwargs.get("output_attentions", False):
+        raise ValueError(
+            "the flashrange backend never materialises attention weights: output_attentions=True needs "
+            "attn_implementation='eager'"
+        )
+    if dropout and float(dropout) > 0.0:
+        raise ValueError(
+            f"the flashrange backend has no attention dropout (got p={dropout} in training); set the "
+            "config's attention_dropout to 0.0, or use attn_implementation='sdpa'"
+        )
+    if kwargs.get("s_aux", None) is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by the flashrange backend")
+    if kwargs.get("position_bias", None) is not None:
+        raise NotImplementedError("additive position biases are not supported by the flashrange backend")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise ValueError(
+            f"the flashrange backend got a prepared attention mask of shape {shape}; it builds its "
+            "ranges from the 2-D padding mask (B, S), position_ids or cu_seq_lens_q/k. Pass those instead "
+            "of a 4-D mask or additive bias, or use attn_implementation='sdpa'"
+        )
+
+
+def flashrange_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    is_causal=None,
+    **kwargs,
+):
+    """transformers attention function for ``attn_implementation="flashrange"``.
+
+    ``query``: ``(B, Hq, S_q, D)``; ``key``: ``(B, Hkv, S_k, D)``; ``value``:
+    ``(B, Hkv, S_k, Dv)``; ``attention_mask``: what :func:`flashrange_mask`
+    returned (``(B, S_k)`` bool or ``None``). Returns ``(out, None)`` with
+    ``out`` ``(B, S_q, Hq, Dv)``, as transformers' other backends.
+    """
+    _check_supported(dropout, attention_mask, kwargs)
+    B, Hq, Sq, D = query.shape
+    Hkv, Sk = key.shape[1], key.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True) and getattr(getattr(module, "config", None), "is_causal", True)
+    causal = bool(is_causal)
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q", None), kwargs.get("cu_seq_lens_k", None)
+    q_ranges, k_ranges, mask_types = build_ranges(
+        B,
+        Sq,
+        Sk,
+        attention_mask=attention_mask,
+        position_ids=kwargs.get("position_ids", None),
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        causal=causal,
+        sliding_window=sliding_window,
+        device=query.device,
+    )
+    q = query.transpose(1, 2).reshape(B * Sq, Hq, D)
+    k = key.transpose(1, 2).reshape(B * Sk, Hkv, D)
+    v = value.transpose(1, 2).reshape(B * Sk, Hkv, value.shape[-1])
+    check_inputs(q, k, v, q_ranges, k_ranges, mask_types)
+    if attention_mask is None and causal and cu_q is not None and _values_checkable(q_ranges):
+        # Only user-given cu_seq_lens can be out of bounds; the other builders cannot.
+        check_range_values(q_ranges, k_ranges, mask_types, q.shape[0], k.shape[0])
+    softcap = 0.0 if softcap is None else float(softcap)
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 or None disables it), got {softcap}")
+    out, _ = ops.fwd(q, k, v, q_ranges, k_ranges, mask_types, resolve_scale(scaling, D), softcap)
+    return out.view(B, Sq, Hq, v.shape[-1]), None
+
+
+def _mask_function_name(fn):
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", ""))
+
+
+def flashrange_mask(
+    batch_size=None,
+    q_length=None,
+    kv_length=None,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    **kwargs,
+):
+    """transformers mask function for ``"flashrange"``: the 2-D padding mask, never a dense one.
+
+    Returns ``attention_mask[:, kv_offset : kv_offset + kv_length]`` (bool
+    ``(B, kv_length)``, the keys the layer sees), or ``None`` without a
+    padding mask. Raises for mask patterns the backend cannot express.
+    """
+    config = kwargs.get("config", None)
+    if kwargs.get("use_vmap", False) or "or_mask" in _mask_function_name(mask_function):
+        raise NotImplementedError(
+            "the flashrange backend does not support custom mask overlays (or_mask_function / "
+            "and_mask_function / block_sequence_ids, e.g. bidirectional image tokens); use "
+            "attn_implementation='sdpa' for such inputs"
+        )
+    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("chunked attention (attention_chunk_size) is not supported by the flashrange backend")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        return attention_mask  # a prepared mask: the attention function explains the error
+    if kv_length is None:
+        return attention_mask.to(torch.bool)
+    if kv_offset + kv_length > attention_mask.shape[-1]:
+        raise ValueError(
+            f"the layer sees {kv_length} keys from offset {kv_offset} but the attention_mask has "
+            f"{attention_mask.shape[-1]} columns: static KV caches are not supported by the flashrange "
+            "backend (use the default dynamic cache)"
+        )
+    return attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+
+
+def _skip_flash_import(name):
+    """Keep transformers from importing FlashAttention for ``name``.
+
+    transformers 5 treats every ``attn_implementation`` whose name contains
+    ``"flash"`` as a FlashAttention build and imports it when a model selects
+    it (``lazy_import_flash_attention``), which fails for ours. That function
+    skips the import when the name equals the last one it imported, so we
+    record ours as imported; nothing of FlashAttention's is used by this
+    backend. transformers 4 checks ``startswith("flash_attention")`` instead
+    and needs nothing.
+    """
+    try:
+        from transformers import modeling_flash_attention_utils as fa_utils
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:
+        return
+    if is_flash_attention_requested(requested_attention_implementation=name) and hasattr(
+        fa_utils, "_loaded_implementation"
+    ):
+        fa_utils._loaded_implementation = name
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register the backend with transformers under ``name`` (idempotent); returns ``name``.
+
+    Afterwards ``from_pretrained(..., attn_implementation=name)``,
+    ``from_config(..., attn_implementation=name)`` and
+    ``model.set_attn_implementation(name)`` select it. With transformers 5,
+    call it again before selecting the backend if a real FlashAttention model
+    ran in between (see :func:`_skip_flash_import`).
+    """
+    AttentionInterface.register(name, flashrange_attention_forward)
+    _skip_flash_import(name)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # pragma: no cover - transformers without mask interfaces builds no masks for us
+        return name
+    AttentionMaskInterface.register(name, flashrange_mask)
+    return name
+
+
+register()
