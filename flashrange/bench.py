@@ -55,9 +55,9 @@ from pathlib import Path
 
 import torch
 
-from .reference import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
+from .reference import CAUSAL
 
-__all__ = ["main", "CASES", "Case", "MaskSpec", "build_mask", "slices_area", "time_plan"]
+__all__ = ["main", "CASES", "Case", "MaskSpec", "build_mask", "time_plan"]
 
 # Relative Frobenius difference allowed between flashrange and a peer: two
 # correct low-precision kernels differ by a few output roundings.
@@ -156,57 +156,20 @@ def _doc_lengths(T, n_docs, seed):
     return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
-def _slice_area(qs, qe, ks, ke, t):
-    """Exact number of cells slice ``(qs, qe, ks, ke, t)`` covers (DESIGN §2)."""
-    lq, lk = qe - qs, ke - ks
-    if lq <= 0 or lk <= 0:
-        return 0
-    off = lk - lq
-    if t == FULL:
-        return lq * lk
-    if t == CAUSAL:
-        # Row i' covers max(0, i' + off + 1) keys, at most Lk.
-        lo = max(off + 1, 1)
-        return (lk * (lk + 1) - (lo - 1) * lo) // 2
-    if t == INV_CAUSAL:
-        # Row i' covers Lk - i' keys while i' < Lk.
-        n = min(lq, lk)
-        return n * lk - n * (n - 1) // 2
-    if t == BI_CAUSAL:
-        return lq * (off + 1) if off >= 0 else 0
-    return 0
-
-
-def slices_area(rows):
-    """Covered cells of a list of ``(qs, qe, ks, ke, type)`` slices (overlaps count twice)."""
-    return sum(_slice_area(*r) for r in rows)
-
-
-def _mask_area(rows, q_ranges, k_ranges, mask_types):
-    """The area from ``flashrange.RangeMask(...).area()`` when available, else the closed form."""
-    try:
-        from . import RangeMask  # type: ignore[attr-defined]
-    except ImportError:
-        return slices_area(rows)
-    try:
-        return int(RangeMask(q_ranges, k_ranges, mask_types).area())
-    except TypeError:  # a constructor with another signature: fall back to the closed form
-        return slices_area(rows)
-
-
 def build_mask(case: Case, device) -> MaskSpec:
-    """The ranges and the peer forms of ``case``'s mask, on ``device``."""
+    """``case``'s mask on ``device``: ranges from the :class:`flashrange.RangeMask` builders, and the peer forms."""
+    from .mask import RangeMask
+
     T = case.T
     cu = None
     window = 0
     sdpa_causal = None
-    idx = None
     if case.kind == "full":
-        rows = [(0, T, 0, T, FULL)]
+        rm = RangeMask.full(T, device=device)
         sdpa_causal, mask_mod = False, None
         desc = "full"
     elif case.kind == "causal":
-        rows = [(0, T, 0, T, CAUSAL)]
+        rm = RangeMask.causal(T, device=device)
         sdpa_causal = True
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -218,24 +181,18 @@ def build_mask(case: Case, device) -> MaskSpec:
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
-        rows = [(a, b, a, b, CAUSAL) for a, b in zip(bounds, bounds[1:])]
+        rm = RangeMask.varlen(bounds, causal=True, device=device)
         cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-        idx = torch.repeat_interleave(
-            torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths)
-        ).to(device)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths)).to(device)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return (idx[q_idx] == idx[kv_idx]) & (q_idx >= kv_idx)
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
         desc = f"{case.n_docs} causal documents, lengths {min(lengths)}..{max(lengths)}"
     elif case.kind == "window":
         W = window = case.window
-        if W >= T:
-            rows = [(0, T, 0, T, CAUSAL)]
-        else:
-            # Rows [0, W) see every earlier key; rows [W, T) a band of W keys
-            # (i - W, i]: BI_CAUSAL over keys [1, T) has Lk - Lq = W - 1.
-            rows = [(0, W, 0, W, CAUSAL), (W, T, 1, T, BI_CAUSAL)]
+        # Query i sees keys (i - W, i]: W keys, its own included.
+        rm = RangeMask.sliding_window(T, W, causal=True, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < W)
@@ -247,27 +204,20 @@ def build_mask(case: Case, device) -> MaskSpec:
             raise ValueError(f"shared-question case {case.name}: question {Q} and {n} answers do not fit in {T}")
         base, extra = divmod(T - Q, n)
         lengths = [base + (1 if a < extra else 0) for a in range(n)]
-        rows = [(0, Q, 0, Q, CAUSAL)]
+        rm = RangeMask.shared_question(Q, lengths, causal=True, device=device)
         seg = [0] * Q
-        start = Q
         for a, L in enumerate(lengths, start=1):
-            rows.append((start, start + L, 0, Q, FULL))
-            rows.append((start, start + L, start, start + L, CAUSAL))
             seg += [a] * L
-            start += L
-        idx = torch.tensor(seg, dtype=torch.int32, device=device)
+        part = torch.tensor(seg, dtype=torch.int32, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & ((idx[kv_idx] == 0) | (idx[kv_idx] == idx[q_idx]))
+            return (q_idx >= kv_idx) & ((part[kv_idx] == 0) | (part[kv_idx] == part[q_idx]))
 
         desc = f"causal question of {Q} + {n} answers of ~{base} (each sees the question and itself)"
     else:
         raise ValueError(f"unknown case kind {case.kind!r}")
-    q_ranges = torch.tensor([[r[0], r[1]] for r in rows], dtype=torch.int32, device=device)
-    k_ranges = torch.tensor([[r[2], r[3]] for r in rows], dtype=torch.int32, device=device)
-    mask_types = torch.tensor([r[4] for r in rows], dtype=torch.int32, device=device)
-    area = _mask_area(rows, q_ranges, k_ranges, mask_types)
-    return MaskSpec(q_ranges, k_ranges, mask_types, area, sdpa_causal, cu, window, mask_mod, desc)
+    q_ranges, k_ranges, mask_types = rm.tensors()
+    return MaskSpec(q_ranges, k_ranges, mask_types, rm.area(), sdpa_causal, cu, window, mask_mod, desc)
 
 
 # ---------------------------------------------------------------------------
@@ -939,7 +889,8 @@ def plot(data, path):
         ax.set_xticklabels([c["name"] for c in cases], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(f"{'forward' if col == 'fwd' else 'fwd+bwd'} TFLOP/s")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7, ncol=min(4, len(names)))
+        if names:
+            ax.legend(fontsize=7, ncol=min(4, len(names)))
     h = data["header"]
     fig.suptitle(f"flashrange bench — {h['device_name']}, {h['dtype']}, torch {h['torch']}", fontsize=10)
     fig.tight_layout()
