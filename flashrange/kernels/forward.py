@@ -1,0 +1,453 @@
+"""Triton forward kernel of range attention (DESIGN §4): the CUDA slot of ``flashrange::fwd``.
+
+One program owns one block of ``BLOCK_M`` query rows of one query head. It
+walks the slices of its window in the plan (:func:`flashrange.plan.build_plan`),
+key tile by key tile, with a single online softmax (base 2, ``log2(e)``
+folded into the scale), and writes ``out`` and the float32 ``lse`` once: no
+atomics, no second pass.
+
+Per slice the key tiles split into a masked head, an unmasked middle (tiles
+entirely inside the slice, :func:`~flashrange.kernels._mask.tile_is_full`'s
+condition in closed form) and a masked tail, so the bulk of a large slice
+runs the plain flash-attention inner loop with no element mask and no load
+mask.
+
+Launch configurations live in :data:`FWD_CONFIGS`, a named list; a default
+is fixed per head dim and dtype (:func:`default_config`) so that results are
+bitwise reproducible across processes, the plan's block follows the config
+without any autotuning round-trip, and the launcher never syncs with the host
+(CUDA-graph capture, ``set_sync_debug_mode("error")``). Hopper features
+(device-side tensor descriptors, warp specialization) are used only where the
+installed Triton has them and the interpreter is off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import build_plan
+from ._mask import slice_diagonals
+
+__all__ = [
+    "FwdConfig",
+    "FWD_CONFIGS",
+    "configs_for",
+    "default_config",
+    "range_attention_forward_triton",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile_step(
+    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, c0, k_hi, stride_kt, stride_vt,
+    offs_m, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, qk_scale, cap_in, cap_out,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
+):
+    """One online-softmax step over keys ``[c0, c0 + BLOCK_N)``; scores are kept in base 2.
+
+    Everything a tile needs sits in this one function: under the interpreter each
+    nested ``@triton.jit`` call costs milliseconds.
+    """
+    offs_n = c0 + tl.arange(0, BLOCK_N)
+    if USE_TMA:
+        # Out-of-bounds rows and columns come back as zeros.
+        k = k_desc.load([c0, 0])
+        v = v_desc.load([c0, 0])
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        if IDX64:
+            rows = offs_n.to(tl.int64)
+        else:
+            rows = offs_n
+        k_ptrs = k_base + rows[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + rows[:, None] * stride_vt + offs_dv[None, :]
+        if IS_MASKED:
+            # Edge tiles may run past the slice (and the tensor): read only its keys.
+            mask_n = offs_n[:, None] < k_hi
+            k = tl.load(k_ptrs, mask=mask_n & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=mask_n & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            if BLOCK_D == D:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+            if BLOCK_DV == DV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+
+    k_t = tl.trans(k)
+    if FIX_BF16:
+        # Triton's interpreter multiplies bf16 operands wrongly (3.9): give it fp32
+        # copies of the same values.
+        qk = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        # tanh through exp2: libdevice is not reachable from the interpreter on every
+        # Triton version; the absolute error stays at fp32 rounding.
+        e = tl.exp2(qk * cap_in)
+        s = cap_out * (1.0 - 2.0 / (e + 1.0))
+    else:
+        s = qk * qk_scale
+    if IS_MASKED:
+        # The slice's cells (see _mask.tile_mask), with its diagonals hoisted out of the loop.
+        i = offs_m[:, None]
+        j = offs_n[None, :]
+        mask = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
+        mask = mask & ((~has_upper) | (j - i <= d_max)) & ((~has_lower) | (j - i >= d_min))
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FIX_BF16:
+        # The interpreter also truncates fp32 -> bf16 where the GPU rounds to nearest
+        # even: round on the bits, then the truncation is exact.
+        bits = p.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        p_lo = bits.to(tl.float32, bitcast=True).to(v.dtype)
+        acc = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _range_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
+    Tq, Tk,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_lt,
+    qk_scale, cap_in, cap_out,
+    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
+):
+    """Grid ``(n_blocks, Hq)``: axis 0 walks ``block_order`` (heaviest block first) within a head.
+
+    ``slices`` ``(S, 5)`` int32 rows ``(qs, qe, ks, ke, type)``, already clamped;
+    ``block_lo/hi`` give each query block's window into them.
+    """
+    pid_rank = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_kvh = pid_h // GROUP
+    pid_b = tl.load(block_order_ptr + pid_rank)
+    r0 = pid_b * BLOCK_M
+    r1 = tl.minimum(r0 + BLOCK_M, Tq)
+    s_lo = tl.load(block_lo_ptr + pid_b)
+    s_hi = tl.load(block_hi_ptr + pid_b)
+
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # int64 head offsets: T * H * D can pass 2**31 at long contexts.
+    q_base = q_ptr + pid_h.to(tl.int64) * stride_qh
+    k_base = k_ptr + pid_kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + pid_kvh.to(tl.int64) * stride_vh
+
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[Tq, D], strides=[stride_qt, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Tk, D], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Tk, DV], strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q = q_desc.load([r0, 0])
+    else:
+        q_desc = None
+        k_desc = None
+        v_desc = None
+        q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    for s_idx in range(s_lo, s_hi):
+        row = slices_ptr + s_idx * 5
+        qs = tl.load(row + 0)
+        qe = tl.load(row + 1)
+        ks = tl.load(row + 2)
+        ke = tl.load(row + 3)
+        mtype = tl.load(row + 4)
+        # Slices of unknown type (and empties) are sorted last by the plan and never
+        # in a window; the check keeps a stray one harmless.
+        mtype_ok = (mtype >= 0) & (mtype <= 3)
+        has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+        # Keys [k_lo, k_hi) that the block's rows reach (see _mask.key_span).
+        a = tl.maximum(r0, qs)
+        b = tl.minimum(r1, qe)
+        k_lo = tl.where(has_lower, tl.maximum(ks, a + d_min), ks)
+        k_hi = tl.where(has_upper, tl.minimum(ke, b + d_max), ke)
+        k_hi = tl.where((b > a) & mtype_ok, k_hi, k_lo)
+        n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
+
+        # Tiles [n_full_lo, n_full_hi) lie entirely inside the slice (_mask.tile_is_full):
+        # the block's rows are all in [qs, qe) and every key column passes both diagonals.
+        rows_in = (r0 >= qs) & (r0 + BLOCK_M <= qe)
+        c_lo = tl.where(has_lower, tl.maximum(ks, r0 + BLOCK_M - 1 + d_min), ks)
+        c_hi = tl.where(has_upper, tl.minimum(ke, r0 + d_max + 1), ke)
+        n_full_lo = tl.minimum(tl.cdiv(tl.maximum(c_lo - k_lo, 0), BLOCK_N), n_tiles)
+        n_full_hi = tl.maximum(tl.minimum((c_hi - k_lo) // BLOCK_N, n_tiles), n_full_lo)
+        full_ok = rows_in & (c_hi - k_lo >= 0)
+        n_full_lo = tl.where(full_ok, n_full_lo, n_tiles)
+        n_full_hi = tl.where(full_ok, n_full_hi, n_tiles)
+
+        # Unmasked middle.
+        for t in tl.range(n_full_lo, n_full_hi, warp_specialize=WARP_SPEC):
+            acc, l_i, m_i = _tile_step(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + t * BLOCK_N, k_hi,
+                stride_kt, stride_vt, offs_m, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+                HAS_SOFTCAP, USE_TMA, False, DOT_PRECISION, FIX_BF16, IDX64)
+        # Masked head [0, n_full_lo) and tail [n_full_hi, n_tiles), in one loop.
+        n_masked = n_full_lo + (n_tiles - n_full_hi)
+        for t in range(0, n_masked):
+            tile = tl.where(t < n_full_lo, t, t - n_full_lo + n_full_hi)
+            acc, l_i, m_i = _tile_step(
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + tile * BLOCK_N, k_hi,
+                stride_kt, stride_vt, offs_m, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+                HAS_SOFTCAP, USE_TMA, True, DOT_PRECISION, FIX_BF16, IDX64)
+
+    covered = l_i > 0.0
+    l_safe = tl.where(covered, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if FIX_BF16:
+        bits = out.to(tl.uint32, bitcast=True)
+        out = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    lse = tl.where(covered, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    mask_m = offs_m < Tq
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + pid_h.to(tl.int64) * stride_oh \
+        + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_dv[None, :] < DV))
+    tl.store(lse_ptr + offs_m.to(tl.int64) * stride_lt + pid_h, lse, mask=mask_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One launch configuration; ``BLOCK_M`` is also the plan's block."""
+
+    name: str
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    warp_spec: bool = False
+
+
+# Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
+# configs_for() drops the ones a head dim, dtype or Triton build cannot run.
+FWD_CONFIGS = [
+    FwdConfig("ptr_m128_n64_w4_s3", 128, 64, 4, 3),
+    FwdConfig("ptr_m128_n64_w8_s3", 128, 64, 8, 3),
+    FwdConfig("ptr_m128_n128_w8_s2", 128, 128, 8, 2),
+    FwdConfig("ptr_m64_n64_w4_s3", 64, 64, 4, 3),
+    FwdConfig("ptr_m64_n32_w4_s2", 64, 32, 4, 2),
+    FwdConfig("tma_m128_n64_w4_s2", 128, 64, 4, 2, use_tma=True),
+    FwdConfig("tma_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True),
+    FwdConfig("tma_m128_n128_w8_s2", 128, 128, 8, 2, use_tma=True),
+    FwdConfig("tma_m64_n64_w4_s2", 64, 64, 4, 2, use_tma=True),
+    FwdConfig("ws_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True),
+    FwdConfig("ws_m128_n64_w4_s2", 128, 64, 4, 2, use_tma=True, warp_spec=True),
+    FwdConfig("ws_m128_n128_w8_s2", 128, 128, 8, 2, use_tma=True, warp_spec=True),
+    # For the interpreter (CPU): few large tiles, since every tile step costs tens of
+    # milliseconds there; the small ones let tests reach many tiles on small inputs.
+    FwdConfig("cpu_m64_n64", 64, 64, 4, 1),
+    FwdConfig("cpu_m32_n16", 32, 16, 4, 1),
+    FwdConfig("cpu_m16_n32", 16, 32, 4, 1),
+]
+_BY_NAME = {c.name: c for c in FWD_CONFIGS}
+
+# Defaults per padded head dim, for 2-byte dtypes on a GPU (measured on an H200).
+_DEFAULTS = {
+    16: "ptr_m128_n64_w4_s3",
+    32: "ptr_m128_n64_w4_s3",
+    64: "ptr_m128_n64_w4_s3",
+    128: "ptr_m128_n64_w4_s3",
+    256: "ptr_m64_n32_w4_s2",
+}
+_SMEM_LIMIT = 220 * 1024
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _has_tma() -> bool:
+    if _interpreting() or not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def _has_warp_spec() -> bool:
+    import inspect
+
+    try:
+        return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _pad_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def configs_for(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda"):
+    """The configurations of :data:`FWD_CONFIGS` that can run this problem here."""
+    bd, bdv = _pad_dim(head_dim), _pad_dim(head_dim_v)
+    es = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for c in FWD_CONFIGS:
+        if device_type != "cuda" or _interpreting():
+            if c.use_tma or c.warp_spec:
+                continue
+        else:
+            if c.name.startswith("cpu_"):
+                continue
+            if c.use_tma and not _has_tma():
+                continue
+            if c.warp_spec and not _has_warp_spec():
+                continue
+            # TMA needs 16-byte aligned rows; fp32 keeps to small pointer tiles.
+            if c.use_tma and (head_dim * es % 16 or head_dim_v * es % 16):
+                continue
+            if es == 4 and (c.use_tma or c.BLOCK_M * c.BLOCK_N > 64 * 64):
+                continue
+            smem = (c.BLOCK_M * bd + max(c.num_stages, 1) * c.BLOCK_N * (bd + bdv)) * es
+            if smem > _SMEM_LIMIT:
+                continue
+            # Registers: the accumulator and the score tile per thread.
+            regs = (c.BLOCK_M * bdv + c.BLOCK_M * c.BLOCK_N) // (32 * c.num_warps)
+            if regs > 256:
+                continue
+        out.append(c)
+    return out
+
+
+def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda") -> FwdConfig:
+    """A fixed choice per head dim and dtype: deterministic results, plan block known up front."""
+    allowed = configs_for(head_dim, head_dim_v, dtype, device_type=device_type)
+    if device_type != "cuda" or _interpreting():
+        return _BY_NAME["cpu_m64_n64"]
+    es = torch.empty((), dtype=dtype).element_size()
+    if es == 4:
+        name = "ptr_m64_n32_w4_s2"
+    else:
+        name = _DEFAULTS[min(k for k in _DEFAULTS if k >= _pad_dim(max(head_dim, head_dim_v)))]
+    cfg = _BY_NAME[name]
+    if cfg not in allowed:  # e.g. no TMA on this build: fall back to the pointer path
+        cfg = next(c for c in allowed if not c.use_tma)
+    return cfg
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need global scratch; take it from PyTorch's allocator."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+
+    def _alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(_alloc)
+    _ALLOCATOR_SET = True
+
+
+def range_attention_forward_triton(
+    q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, *, config=None
+):
+    """Range attention forward on the Triton kernel.
+
+    `q`: `(Tq, Hq, D)`, `k`: `(Tk, Hkv, D)`, `v`: `(Tk, Hkv, Dv)`;
+    `q_ranges`, `k_ranges`: `(S, 2)` int32, `mask_types`: `(S,)` int32, on q's device.
+    Returns `out`: `(Tq, Hq, Dv)` in q's dtype and `lse`: `(Tq, Hq)` float32, as
+    :func:`flashrange.reference.range_attention_forward` does. `config` (a
+    :class:`FwdConfig` or its name) overrides :func:`default_config`.
+
+    Static shapes and no host reads of tensor values: capturable in CUDA graphs.
+    """
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dv = v.shape
+    if k.shape[2] != D or k.shape[:2] != v.shape[:2] or Hq % Hkv:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    softcap = float(softcap)
+    out = torch.empty(Tq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
+    if Tq == 0 or Hq == 0:
+        return out, lse
+    if Tk == 0 or q_ranges.shape[0] == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+
+    if config is None:
+        config = default_config(D, Dv, q.dtype, device_type=q.device.type)
+    elif isinstance(config, str):
+        config = _BY_NAME[config]
+    use_tma = config.use_tma and q.device.type == "cuda" and not _interpreting()
+    if use_tma:
+        _ensure_allocator()
+
+    # The kernel wants unit stride along the head dim (TMA: 16-byte aligned rows too).
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+
+    plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, config.BLOCK_M)
+    n_blocks = plan.block_order.shape[0]
+    if softcap > 0:
+        # tanh(x) = 1 - 2 / (exp2(2 log2(e) x) + 1), with x = scale * qk / softcap.
+        cap_in, cap_out = 2.0 * _LOG2E * scale / softcap, softcap * _LOG2E
+    else:
+        cap_in, cap_out = 0.0, 0.0
+    grid = (n_blocks, Hq)
+    _range_attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
+        Tq, Tk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        scale * _LOG2E, cap_in, cap_out,
+        GROUP=Hq // Hkv, D=D, DV=Dv,
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
+        BLOCK_D=_pad_dim(D), BLOCK_DV=_pad_dim(Dv),
+        HAS_SOFTCAP=softcap > 0, USE_TMA=use_tma, WARP_SPEC=config.warp_spec and use_tma,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FIX_BF16=_interpreting() and q.dtype == torch.bfloat16,
+        # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
+        IDX64=max(Tk * k.stride(0), Tk * v.stride(0)) >= 2**31,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,257 @@
+"""The Triton forward kernel against the reference, on the CPU (``TRITON_INTERPRET=1``).
+
+Three-way rule (DESIGN §6): golden = the reference on float64 inputs; the
+reference in the test dtype has some error against it; the kernel's error
+may be at most twice that, plus a floor of a few float32 ulps of the result's
+magnitude (for results the reference gets exactly right).
+
+Under the interpreter the launcher is called directly with CPU tensors. The
+interpreter costs tens of milliseconds per key tile, so the shapes are small
+and odd, and each random mask mixes all four types, overlaps, empty slices
+and uncovered rows in one call.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from flashrange.kernels.forward import (  # noqa: E402
+    FWD_CONFIGS,
+    configs_for,
+    range_attention_forward_triton,
+)
+from flashrange.reference import range_attention_forward  # noqa: E402
+
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (also imported by tests/test_gpu_forward.py)
+
+
+def random_slices(Tq, Tk, n, seed, *, garbage=False, n_empty=0):
+    """``(q_ranges, k_ranges, mask_types)`` int32 on the CPU.
+
+    Mixes the four types, overlapping q ranges, slices of length 1, slices
+    touching the tensor edges, empty slices and (by leaving gaps) uncovered
+    rows. ``garbage=True`` adds ranges outside the tensors, reversed ranges
+    and unknown types, which every implementation clamps or drops.
+    """
+    rng = random.Random(seed)
+    rows = []
+
+    def span(T):
+        kind = rng.random()
+        if kind < 0.15:
+            a = rng.randrange(T)
+            return a, a + 1
+        if kind < 0.3:
+            return 0, rng.randint(1, T)
+        if kind < 0.45:
+            return rng.randrange(T), T
+        a, b = sorted(rng.sample(range(T + 1), 2)) if T >= 1 else (0, 0)
+        return a, b
+
+    for _ in range(n):
+        qs, qe = span(Tq)
+        ks, ke = span(Tk)
+        rows.append([qs, qe, ks, ke, rng.randrange(4)])
+    for _ in range(n_empty):
+        rows.insert(rng.randrange(len(rows) + 1), [0, 0, 0, 0, rng.randrange(4)])
+    if garbage:
+        big = max(Tq, Tk)
+        rows.append([-5, Tq + 7, -3, 2, rng.randrange(4)])
+        rows.append([Tq // 2, Tq // 3, 0, Tk, FULL])  # start after end
+        rows.append([0, Tq, Tk + 1, Tk + 9, CAUSAL])  # entirely past the keys
+        rows.append([-big - 3, -1, 0, Tk, FULL])  # entirely before the queries
+        rows.append([0, Tq, 0, Tk, 7])  # unknown type
+        rows.append([1, 2 ** 30, -(2 ** 30), 2 ** 30, BI_CAUSAL])
+        rng.shuffle(rows)
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+def make_qkv(Tq, Tk, Hq, Hkv, D, Dv, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Tq, Hq, D, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(Tk, Hkv, D, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(Tk, Hkv, Dv, generator=g).to(device=device, dtype=dtype)
+    return q, k, v
+
+
+def check_three_way(q, k, v, qr, kr, mt, scale, softcap, out, lse):
+    """Assert the kernel's ``(out, lse)`` obeys the three-way rule against the reference."""
+    ref_out, ref_lse = range_attention_forward(q, k, v, qr, kr, mt, scale, softcap)
+    gold_out, gold_lse = range_attention_forward(q.double(), k.double(), v.double(), qr, kr, mt, scale, softcap)
+    assert out.dtype == q.dtype and out.shape == ref_out.shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert torch.isfinite(out).all(), "NaN/inf in out"
+    # Uncovered rows: lse -inf exactly where the reference says so, out exactly 0 there.
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert not torch.isnan(lse).any() and not torch.isposinf(lse).any()
+    uncovered = torch.isneginf(ref_lse)
+    assert (out[uncovered] == 0).all()
+    eps32 = torch.finfo(torch.float32).eps
+    for name, got, ref, gold in (
+        ("out", out, ref_out, gold_out),
+        ("lse", lse, ref_lse, gold_lse),
+    ):
+        fin = torch.isfinite(gold)
+        gold_f = gold.to("cpu")[fin.cpu()]
+        err_k = (got.double().cpu()[fin.cpu()] - gold_f).abs().max().item() if gold_f.numel() else 0.0
+        err_r = (ref.double().cpu()[fin.cpu()] - gold_f).abs().max().item() if gold_f.numel() else 0.0
+        floor = 8 * eps32 * max(1.0, gold_f.abs().max().item() if gold_f.numel() else 0.0)
+        assert err_k <= 2 * err_r + floor, f"{name}: kernel err {err_k:.3e} > 2 x reference err {err_r:.3e} + {floor:.1e}"
+
+
+def run_kernel(q, k, v, qr, kr, mt, scale, softcap=0.0, config=None):
+    dev = q.device
+    return range_attention_forward_triton(
+        q, k, v, qr.to(dev), kr.to(dev), mt.to(dev), scale, softcap, config=config
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (Tq, Tk, Hq, Hkv, D, dtype, n_slices): odd sizes, GQA ratios 1/2/4, D = 16, 64 and 24, 48.
+GRID = [
+    pytest.param(1, 1, 2, 2, 16, torch.bfloat16, 3, id="T1-D16-g1-bf16"),
+    pytest.param(17, 17, 2, 1, 16, torch.float16, 5, id="T17-D16-g2-fp16"),
+    pytest.param(63, 63, 4, 1, 64, torch.bfloat16, 6, id="T63-D64-g4-bf16"),
+    pytest.param(130, 130, 2, 2, 24, torch.bfloat16, 7, id="T130-D24-g1-bf16"),
+    pytest.param(130, 63, 4, 2, 48, torch.float16, 6, id="Tq130-Tk63-D48-g2-fp16"),
+    pytest.param(17, 130, 4, 1, 64, torch.float16, 5, id="Tq17-Tk130-D64-g4-fp16"),
+]
+
+
+@pytest.mark.parametrize("Tq,Tk,Hq,Hkv,D,dtype,n", GRID)
+def test_random_masks(Tq, Tk, Hq, Hkv, D, dtype, n):
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, dtype, DEV, seed=Tq * 7 + D)
+    qr, kr, mt = random_slices(Tq, Tk, n, seed=Tq + Tk + D, n_empty=2)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, D ** -0.5)
+    check_three_way(q, k, v, qr, kr, mt, D ** -0.5, 0.0, out, lse)
+
+
+@pytest.mark.parametrize(
+    "mtype", [pytest.param(t, id=n) for t, n in ((0, "full"), (1, "causal"), (2, "inv_causal"), (3, "bi_causal"))]
+)
+def test_each_type_many_tiles(mtype):
+    """One large slice per type with small tiles: masked edges and the unmasked middle.
+
+    The slice is offset from the tensor edges and taller than wide (causal
+    alignment bottom-right, inverse top-left), with a second, overlapping slice.
+    """
+    Tq, Tk, Hq, Hkv, D = 130, 121, 2, 1, 16
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=mtype)
+    qr = torch.tensor([[3, 127], [40, 90]], dtype=torch.int32)
+    kr = torch.tensor([[5, 118], [0, 121]], dtype=torch.int32)
+    mt = torch.tensor([mtype, (mtype + 1) % 4], dtype=torch.int32)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.3, config="cpu_m16_n32")
+    check_three_way(q, k, v, qr, kr, mt, 0.3, 0.0, out, lse)
+
+
+def test_aligned_causal_full_tiles():
+    """Square causal from 0 with tiles dividing T: most tiles take the unmasked path."""
+    T, Hq, Hkv, D = 128, 2, 1, 16
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.float16, DEV, seed=5)
+    qr = torch.tensor([[0, T]], dtype=torch.int32)
+    mt = torch.tensor([CAUSAL], dtype=torch.int32)
+    out, lse = run_kernel(q, k, v, qr, qr.clone(), mt, D ** -0.5, config="cpu_m32_n16")
+    check_three_way(q, k, v, qr, qr, mt, D ** -0.5, 0.0, out, lse)
+
+
+@pytest.mark.parametrize("softcap", [pytest.param(2.5, id="cap2.5"), pytest.param(30.0, id="cap30")])
+def test_softcap(softcap):
+    Tq, Tk, Hq, Hkv, D = 63, 63, 2, 1, 24
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=11)
+    q = q * 3  # scores large enough for the cap to bite
+    qr, kr, mt = random_slices(Tq, Tk, 5, seed=12, n_empty=1)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.5, softcap)
+    check_three_way(q, k, v, qr, kr, mt, 0.5, softcap, out, lse)
+
+
+def test_empty_rows_and_overlaps():
+    """Rows covered by nothing (out 0, lse -inf) next to rows covered twice by the same cells."""
+    Tq, Tk, Hq, Hkv, D = 63, 17, 2, 2, 16
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.float16, DEV, seed=3)
+    qr = torch.tensor([[0, 10], [5, 20], [5, 20], [40, 41], [0, 0]], dtype=torch.int32)
+    kr = torch.tensor([[0, 17], [3, 9], [3, 9], [16, 17], [0, 0]], dtype=torch.int32)
+    mt = torch.tensor([FULL, CAUSAL, CAUSAL, BI_CAUSAL, FULL], dtype=torch.int32)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
+    assert torch.isneginf(lse[20:40]).all() and (out[20:40] == 0).all()
+
+
+def test_no_slices_and_all_empty():
+    T, H, D = 17, 2, 16
+    q, k, v = make_qkv(T, T, H, H, D, D, torch.bfloat16, DEV, seed=1)
+    for S in (0, 3):
+        z = torch.zeros(S, 2, dtype=torch.int32)
+        out, lse = run_kernel(q, k, v, z, z.clone(), torch.zeros(S, dtype=torch.int32), 0.25)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_garbage_ranges_clamped():
+    Tq, Tk, Hq, Hkv, D = 63, 17, 2, 1, 16
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=21)
+    qr, kr, mt = random_slices(Tq, Tk, 4, seed=22, garbage=True)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
+
+
+def test_padding_and_permutation_bitwise():
+    Tq, Tk, Hq, Hkv, D = 130, 63, 2, 1, 16
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=31)
+    qr, kr, mt = random_slices(Tq, Tk, 6, seed=32)
+    base = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    g = torch.Generator().manual_seed(33)
+    perm = torch.randperm(qr.shape[0], generator=g)
+    permuted = run_kernel(q, k, v, qr[perm], kr[perm], mt[perm], 0.25)
+    # Empty slices of every kind of emptiness, scattered through the list.
+    empties_q = torch.tensor([[0, 0], [9, 9], [5, 30], [70, 60]], dtype=torch.int32)
+    empties_k = torch.tensor([[0, 0], [0, 10], [4, 4], [0, 63]], dtype=torch.int32)
+    empties_t = torch.tensor([FULL, CAUSAL, BI_CAUSAL, INV_CAUSAL], dtype=torch.int32)
+    pq = torch.cat([empties_q[:2], qr, empties_q[2:]])
+    pk = torch.cat([empties_k[:2], kr, empties_k[2:]])
+    pt = torch.cat([empties_t[:2], mt, empties_t[2:]])
+    padded = run_kernel(q, k, v, pq, pk, pt, 0.25)
+    for other in (permuted, padded):
+        assert torch.equal(base[0], other[0]) and torch.equal(base[1], other[1])
+    rerun = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    assert torch.equal(base[0], rerun[0]) and torch.equal(base[1], rerun[1])
+
+
+def test_fp32_and_dv_differs():
+    """float32 inputs (exact fp32 products) and a value head dim other than D."""
+    Tq, Tk, Hq, Hkv, D, Dv = 17, 63, 2, 1, 24, 40
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, Dv, torch.float32, DEV, seed=41)
+    qr, kr, mt = random_slices(Tq, Tk, 4, seed=42)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.2)
+    check_three_way(q, k, v, qr, kr, mt, 0.2, 0.0, out, lse)
+
+
+def test_interpreter_configs():
+    """Every configuration the interpreter may run gives the same answer quality."""
+    Tq, Tk, Hq, Hkv, D = 63, 63, 2, 1, 16
+    q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.float16, DEV, seed=51)
+    qr, kr, mt = random_slices(Tq, Tk, 4, seed=52)
+    cfgs = configs_for(D, D, torch.float16, device_type="cpu")
+    assert {c.name for c in cfgs} >= {"cpu_m64_n64", "cpu_m32_n16", "cpu_m16_n32"}
+    assert all(c in FWD_CONFIGS for c in cfgs)
+    for cfg in cfgs:
+        if not cfg.name.startswith("cpu_"):
+            continue
+        out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25, config=cfg)
+        check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
