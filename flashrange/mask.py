@@ -79,7 +79,7 @@ def window_slices(qs, qe, ks, ke, left: int, right: int):
     ``i + off - left <= j <= i + off + right`` (FA3's bottom-right window;
     ``-1`` = unbounded side; causal is ``right = 0``).
 
-    The band clipped to the document is exactly three slices, whatever the
+    The band clipped to the document is at most three slices, whatever the
     window and length: rows whose band is cut by key 0 (a CAUSAL slice),
     rows whose band fits (one BI_CAUSAL band) or spans every key (FULL), and
     rows whose band is cut by the last key (an INV_CAUSAL slice)::
@@ -95,9 +95,10 @@ def window_slices(qs, qe, ks, ke, left: int, right: int):
 
     Elementwise tensor ops only: static shapes, no host sync, so it traces
     under ``torch.compile`` and runs under CUDA-graph capture. Returns
-    ``q_ranges (P*B, 2)``, ``k_ranges (P*B, 2)``, ``mask_types (P*B,)`` int32
-    with ``P = 1`` for an unbounded window and ``P = 3`` otherwise, slices of
-    one document consecutive; empty slices are exactly ``[0, 0) x [0, 0)`` FULL.
+    ``q_ranges (P*B, 2)``, ``k_ranges (P*B, 2)``, ``mask_types (P*B,)`` int32,
+    slices of one document consecutive, where ``P`` depends on the window
+    only: 1 when unbounded or causal without a left bound, 2 with one side
+    unbounded, 3 otherwise. Empty slices are exactly ``[0, 0) x [0, 0)`` FULL.
     """
     left, right = int(left), int(right)
     lq, lk = qe - qs, ke - ks
@@ -132,18 +133,17 @@ def window_slices(qs, qe, ks, ke, left: int, right: int):
         b0 = torch.clamp(ab_hi, min=0)
         b1 = torch.minimum(lq, e_bot)
         bot = (b0, b1, b0 + off - lo_w, lk)
-        q0 = torch.stack([top[0], mid[0], bot[0]], dim=1)
-        q1 = torch.stack([top[1], mid[1], bot[1]], dim=1)
-        k0 = torch.stack([top[2], mid[2], bot[2]], dim=1)
-        k1 = torch.stack([top[3], mid[3], bot[3]], dim=1)
-        types = torch.stack(
-            [
-                torch.full_like(lq, CAUSAL),
-                torch.where(band, torch.full_like(lq, BI_CAUSAL), torch.full_like(lq, FULL)),
-                torch.full_like(lq, INV_CAUSAL),
-            ],
-            dim=1,
-        )
+        mid_type = torch.where(band, torch.full_like(lq, BI_CAUSAL), torch.full_like(lq, FULL))
+        pieces = [(top, torch.full_like(lq, CAUSAL)), (mid, mid_type), (bot, torch.full_like(lq, INV_CAUSAL))]
+        # Pieces that are empty for every document, known from the window alone:
+        # no top cut without a right bound, no bottom cut without a left bound,
+        # and a causal window unbounded on the left is its top piece only.
+        if left < 0 and right == 0:
+            pieces = pieces[:1]
+        else:
+            pieces = pieces[(1 if right < 0 else 0):(2 if left < 0 else 3)]
+        q0, q1, k0, k1 = (torch.stack([p[0][c] for p in pieces], dim=1) for c in range(4))
+        types = torch.stack([p[1] for p in pieces], dim=1)
         q0, q1 = q0 + qs.unsqueeze(1), q1 + qs.unsqueeze(1)
         k0, k1 = k0 + ks.unsqueeze(1), k1 + ks.unsqueeze(1)
     empty = (q1 <= q0) | (k1 <= k0)
@@ -405,12 +405,14 @@ class RangeMask:
                 )
         return self
 
-    def plot(self, path, Tq=None, Tk=None, title=None):
+    def plot(self, path, Tq=None, Tk=None, title=None, outline=True):
         """Write a PNG picture of the mask to ``path`` and return the path.
 
-        Cells covered twice are drawn darker. Masks larger than
-        ``512`` pixels a side are averaged into pixels (no dense matrix).
-        Needs matplotlib (``pip install matplotlib``).
+        Cells covered twice are drawn darker; with ``outline`` the rectangle
+        of each non-empty slice is outlined (up to 256 slices). Masks larger
+        than ``512`` pixels a side are averaged into pixels (no dense
+        matrix). ``Tq``/``Tk`` default to the largest range ends. Needs
+        matplotlib (``pip install matplotlib``).
         """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -427,10 +429,22 @@ class RangeMask:
             img.numpy(), cmap="Blues", vmin=0.0, vmax=vmax, interpolation="nearest",
             extent=(0, Tk, Tq, 0), aspect="auto",
         )
+        if outline:
+            qs, qe, ks, ke, _, _ = self._row_spans()
+            live = (qe > qs).nonzero().flatten().tolist()
+            if len(live) <= 256:
+                from matplotlib.patches import Rectangle
+
+                for s in live:
+                    ax.add_patch(Rectangle(
+                        (int(ks[s]), int(qs[s])), int(ke[s] - ks[s]), int(qe[s] - qs[s]),
+                        fill=False, edgecolor="tab:orange", linewidth=1.0,
+                    ))
         ax.set_xlabel("key")
         ax.set_ylabel("query")
         note = "" if exact else " (averaged)"
-        ax.set_title(title or f"{self.num_slices} slices, {self.area()} cells, {Tq}x{Tk}{note}", fontsize=9)
+        stats = f"{self.num_slices} slices, {self.area()} cells, {Tq}x{Tk}{note}"
+        ax.set_title(stats if title is None else f"{title}\n{stats}", fontsize=9)
         fig.tight_layout()
         fig.savefig(path)
         return path

@@ -297,9 +297,16 @@ def test_plot_picture_density_matches_dense_average():
     assert float((img.double() - expect).abs().max()) < 1e-6
 
 
-@pytest.mark.parametrize("left, right, pieces", [pytest.param(-1, -1, 1, id="unbounded-1"),
-                                                 pytest.param(-1, 0, 3, id="causal-3"),
-                                                 pytest.param(5, 2, 3, id="window-3")])
+@pytest.mark.parametrize(
+    "left, right, pieces",
+    [
+        pytest.param(-1, -1, 1, id="unbounded-1"),
+        pytest.param(-1, 0, 1, id="causal-1"),
+        pytest.param(-1, 2, 2, id="right-only-2"),
+        pytest.param(4, -1, 2, id="left-only-2"),
+        pytest.param(5, 2, 3, id="window-3"),
+    ],
+)
 def test_window_slices_static_count_and_no_host_read(left, right, pieces):
     """Shape depends only on B and the window; ``meta`` tensors have no values, so nothing is read."""
     B = 5
