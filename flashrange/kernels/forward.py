@@ -131,15 +131,15 @@ def _tile_step(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "GROUP"])
 def _range_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt,
-    qk_scale, cap_in, cap_out,
-    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    qk_scale, cap_in, cap_out, GROUP,
+    D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
@@ -440,7 +440,7 @@ def range_attention_forward_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         scale * _LOG2E, cap_in, cap_out,
-        GROUP=Hq // Hkv, D=D, DV=Dv,
+        Hq // Hkv, D=D, DV=Dv,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
         BLOCK_D=_pad_dim(D), BLOCK_DV=_pad_dim(Dv),
         HAS_SOFTCAP=softcap > 0, USE_TMA=use_tma, WARP_SPEC=config.warp_spec and use_tma,

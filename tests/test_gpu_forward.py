@@ -1,0 +1,251 @@
+"""The Triton forward kernel on a CUDA GPU (``pytest -m gpu``; skipped cleanly without one).
+
+Realistic sizes (T up to 32k), every head dim the kernel supports, a
+1000-case random-slice fuzz, bitwise determinism, CUDA-graph replay with
+range tensors updated in place, no host sync, ``opcheck``, ``torch.compile``
+without recompiles, and every launch configuration forced one by one.
+Same three-way tolerance rule as tests/test_kernel_forward.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+triton = pytest.importorskip("triton")
+
+import flashrange  # noqa: E402
+import flashrange.ops  # noqa: E402,F401
+from flashrange.kernels.forward import (  # noqa: E402
+    configs_for,
+    default_config,
+    range_attention_forward_triton,
+)
+from test_kernel_forward import (  # noqa: E402
+    BI_CAUSAL,
+    CAUSAL,
+    FULL,
+    INV_CAUSAL,
+    check_three_way,
+    make_qkv,
+    random_slices,
+)
+
+DEV = "cuda"
+
+
+def _doc_causal(T, n_docs, seed):
+    """Causal documents of random lengths covering ``[0, T)``."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, T), n_docs - 1))
+    bounds = [0] + cuts + [T]
+    r = torch.tensor([[a, b] for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.int32)
+    return r, r.clone(), torch.full((n_docs,), CAUSAL, dtype=torch.int32)
+
+
+def _sliding_window(T, W):
+    """Causal sliding window: row i reads keys [i - W, i] (a causal square, then a band)."""
+    qr = torch.tensor([[0, W], [W, T]], dtype=torch.int32)
+    kr = torch.tensor([[0, W], [0, T]], dtype=torch.int32)
+    return qr, kr, torch.tensor([CAUSAL, BI_CAUSAL], dtype=torch.int32)
+
+
+def _run(q, k, v, qr, kr, mt, scale, softcap=0.0, config=None):
+    return range_attention_forward_triton(
+        q, k, v, qr.to(DEV), kr.to(DEV), mt.to(DEV), scale, softcap, config=config
+    )
+
+
+# (T, Hq, Hkv, D, dtype, mask): realistic sizes, every head dim.
+LARGE = [
+    pytest.param(8192, 4, 4, 128, torch.bfloat16, "causal", id="T8k-D128-causal-bf16"),
+    pytest.param(8191, 4, 2, 128, torch.float16, "full", id="T8191-D128-full-g2-fp16"),
+    pytest.param(32768, 2, 1, 64, torch.bfloat16, "doc16", id="T32k-D64-doc16-g2-bf16"),
+    pytest.param(32768, 2, 2, 128, torch.bfloat16, "window", id="T32k-D128-window2048-bf16"),
+    pytest.param(4099, 4, 1, 32, torch.bfloat16, "random", id="T4099-D32-random-g4-bf16"),
+    pytest.param(3001, 2, 1, 96, torch.float16, "random", id="T3001-D96-random-g2-fp16"),
+    pytest.param(2053, 2, 2, 192, torch.bfloat16, "doc16", id="T2053-D192-doc16-bf16"),
+    pytest.param(2053, 2, 1, 256, torch.float16, "random", id="T2053-D256-random-g2-fp16"),
+    pytest.param(1999, 2, 2, 256, torch.bfloat16, "causal", id="T1999-D256-causal-bf16"),
+    pytest.param(1025, 2, 1, 48, torch.float32, "random", id="T1025-D48-random-fp32"),
+]
+
+
+def _mask(kind, T, seed):
+    if kind == "causal":
+        r = torch.tensor([[0, T]], dtype=torch.int32)
+        return r, r.clone(), torch.tensor([CAUSAL], dtype=torch.int32)
+    if kind == "full":
+        r = torch.tensor([[0, T]], dtype=torch.int32)
+        return r, r.clone(), torch.tensor([FULL], dtype=torch.int32)
+    if kind == "doc16":
+        return _doc_causal(T, 16, seed)
+    if kind == "window":
+        return _sliding_window(T, 2048)
+    return random_slices(T, T, 24, seed, n_empty=3)
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,dtype,kind", LARGE)
+def test_large(T, Hq, Hkv, D, dtype, kind):
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, dtype, DEV, seed=T + D)
+    qr, kr, mt = _mask(kind, T, seed=T)
+    out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5)
+    check_three_way(q, k, v, qr, kr, mt, D ** -0.5, 0.0, out, lse)
+
+
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_head_dims_softcap(D, dtype):
+    T, Hq, Hkv = 777, 4, 2
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, dtype, DEV, seed=D)
+    q = q * 2
+    qr, kr, mt = random_slices(T, T, 12, seed=D, n_empty=2)
+    for softcap in (0.0, 7.0):
+        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
+        check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
+
+
+def test_fuzz_1000():
+    """1000 random masks: garbage, overlapping, empty, edge and length-1 ranges, small sizes."""
+    rng = random.Random(1234)
+    for case in range(1000):
+        Tq = rng.choice([1, 2, 15, 16, 17, 63, 64, 65, 127, 129, 200, 257])
+        Tk = rng.choice([1, 3, 16, 31, 64, 100, 128, 129, 255, 300])
+        G = rng.choice([1, 2, 4])
+        Hkv = rng.choice([1, 2])
+        D = rng.choice([32, 128])
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        softcap = 5.0 if rng.random() < 0.1 else 0.0
+        q, k, v = make_qkv(Tq, Tk, G * Hkv, Hkv, D, D, dtype, DEV, seed=case)
+        qr, kr, mt = random_slices(
+            Tq, Tk, rng.randint(1, 12), seed=case, garbage=rng.random() < 0.3, n_empty=rng.randint(0, 3)
+        )
+        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
+        try:
+            check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
+        except AssertionError as e:
+            raise AssertionError(
+                f"case {case}: Tq={Tq} Tk={Tk} G={G} Hkv={Hkv} D={D} {dtype} softcap={softcap}\n"
+                f"q_ranges={qr.tolist()} k_ranges={kr.tolist()} types={mt.tolist()}\n{e}"
+            ) from None
+
+
+def test_bitwise_rerun_padding_permutation():
+    T, Hq, Hkv, D = 8192, 4, 2, 128
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=7)
+    qr, kr, mt = random_slices(T, T, 64, seed=8)
+    base = _run(q, k, v, qr, kr, mt, 0.1)
+    again = _run(q, k, v, qr, kr, mt, 0.1)
+    perm = torch.randperm(qr.shape[0], generator=torch.Generator().manual_seed(9))
+    permuted = _run(q, k, v, qr[perm], kr[perm], mt[perm], 0.1)
+    zq = torch.zeros(37, 2, dtype=torch.int32)
+    padded = _run(
+        q, k, v, torch.cat([zq[:5], qr, zq[5:]]), torch.cat([zq[:5], kr, zq[5:]]),
+        torch.cat([torch.full((5,), CAUSAL), mt, torch.full((32,), INV_CAUSAL)]).to(torch.int32), 0.1,
+    )
+    for other in (again, permuted, padded):
+        assert torch.equal(base[0], other[0]) and torch.equal(base[1], other[1])
+
+
+def test_cuda_graph_replay_after_in_place_update():
+    T, Hq, Hkv, D = 4099, 4, 2, 64
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=17)
+    qa, ka, ta = _doc_causal(T, 8, seed=1)
+    qb, kb, tb = random_slices(T, T, 8, seed=2)
+    qr, kr, mt = qa.to(DEV), ka.to(DEV), ta.to(DEV)
+    range_attention_forward_triton(q, k, v, qr, kr, mt, 0.125, 0.0)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 0.125, 0.0)
+    graph.replay()
+    want_a = range_attention_forward_triton(q, k, v, qa.to(DEV), ka.to(DEV), ta.to(DEV), 0.125, 0.0)
+    assert torch.equal(out, want_a[0]) and torch.equal(lse, want_a[1])
+    qr.copy_(qb)
+    kr.copy_(kb)
+    mt.copy_(tb)
+    graph.replay()
+    want_b = range_attention_forward_triton(q, k, v, qb.to(DEV), kb.to(DEV), tb.to(DEV), 0.125, 0.0)
+    assert torch.equal(out, want_b[0]) and torch.equal(lse, want_b[1])
+    check_three_way(q, k, v, qb, kb, tb, 0.125, 0.0, out, lse)
+
+
+def test_no_host_sync():
+    T, Hq, Hkv, D = 2049, 4, 1, 128
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.float16, DEV, seed=3)
+    qr, kr, mt = (t.to(DEV) for t in random_slices(T, T, 10, seed=4))
+    flashrange.range_attention(q, k, v, qr, kr, mt)  # compile first: Triton's first launch may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    check_three_way(q, k, v, qr, kr, mt, D ** -0.5, 0.0, out, lse)
+
+
+def test_opcheck_fwd_cuda():
+    T, Hq, Hkv, D = 129, 4, 2, 64
+    q, k, v = make_qkv(T, 65, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=5)
+    qr, kr, mt = (t.to(DEV) for t in random_slices(T, 65, 6, seed=6, n_empty=2))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, 0.125, 0.0))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, 0.125, 3.0))
+
+
+def test_compile_no_recompile_on_mask_change():
+    import torch._dynamo
+
+    T, Hq, Hkv, D, CAP = 1031, 4, 2, 64, 16
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=9)
+
+    def padded(seed, n):
+        qr, kr, mt = random_slices(T, T, n, seed=seed)
+        z = torch.zeros(CAP - n, 2, dtype=torch.int32)
+        return (torch.cat([qr, z]).to(DEV), torch.cat([kr, z]).to(DEV),
+                torch.cat([mt, torch.zeros(CAP - n, dtype=torch.int32)]).to(DEV))
+
+    def f(q, k, v, qr, kr, mt):
+        out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+        return out.float().sum(-1), lse
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    masks = [padded(s, n) for s, n in ((1, 3), (2, 9), (3, 16), (4, 1))]
+    cf(q, k, v, *masks[0])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for m in masks:
+            got = cf(q, k, v, *m)
+            want = f(q, k, v, *m)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _forced_config_cases():
+    cases = []
+    for D, dtype in ((128, torch.bfloat16), (64, torch.bfloat16), (256, torch.bfloat16), (96, torch.float16)):
+        for cfg in configs_for(D, D, dtype):
+            cases.append(pytest.param(D, dtype, cfg.name, id=f"D{D}-{str(dtype)[6:]}-{cfg.name}"))
+    return cases
+
+
+@pytest.mark.parametrize("D,dtype,name", _forced_config_cases())
+def test_every_config(D, dtype, name):
+    """Every configuration the launcher may pick, forced: no NaN, three-way accurate, all mask shapes."""
+    T, Hq, Hkv = 1537, 4, 2
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, dtype, DEV, seed=D)
+    for kind, seed in (("causal", 0), ("full", 0), ("random", 5), ("doc16", 6)):
+        qr, kr, mt = _mask(kind, T, seed)
+        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, config=name)
+        check_three_way(q, k, v, qr, kr, mt, D ** -0.5, 0.0, out, lse)
+
+
+def test_default_configs_listed():
+    for D in (32, 64, 96, 128, 192, 256):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert default_config(D, D, dtype) in configs_for(D, D, dtype)
