@@ -56,14 +56,22 @@ def flex_flash_attn_func(
         deterministic: accepted; flashrange is always deterministic.
         ignored_tuning_flags: MagiAttention's speed knobs (``sm_margin``,
             ``disable_fwd_atomic_reduction``, ``auto_range_merge``,
-            ``ref_block_size``...) are accepted and ignored; ``sink`` is
-            not supported and raises.
+            ``ref_block_size``...) are accepted and ignored; ``sink``,
+            ``index_sparse_indices`` and ``return_max_logits`` change the
+            result, are not supported and raise.
 
     Returns:
         ``out`` `(Tq, Hq, Dv)` in q's dtype and ``lse`` `(Tq, Hq)` float32.
     """
     if ignored_tuning_flags.get("sink") is not None:
         raise NotImplementedError("flashrange does not implement attention sinks (sink=...); pass sink=None")
+    if ignored_tuning_flags.get("index_sparse_indices") is not None:
+        raise NotImplementedError(
+            "flashrange does not implement index-sparse attention (index_sparse_indices=...); "
+            "express the blocks as ranges, e.g. with RangeMask.block_sparse"
+        )
+    if ignored_tuning_flags.get("return_max_logits"):
+        raise NotImplementedError("flashrange does not return max logits; pass return_max_logits=False")
     if attn_type_map is not None and not isinstance(attn_type_map, torch.Tensor):
         # Older MagiAttention order: (..., max_seqlen_q, max_seqlen_k, attn_type_map).
         attn_type_map, max_seqlen_q, max_seqlen_k = max_seqlen_k, attn_type_map, max_seqlen_q

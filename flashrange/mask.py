@@ -38,7 +38,7 @@ _TYPE_NAMES = {FULL: "FULL", CAUSAL: "CAUSAL", INV_CAUSAL: "INV_CAUSAL", BI_CAUS
 _UNBOUNDED = 1 << 40
 
 # Above this many pairs, the overlap check is done in chunks of slices.
-_PAIR_CHUNK = 1 << 22
+_PAIR_CHUNK = 1 << 20
 
 # A picture is at most this many pixels on a side; larger masks are averaged.
 _PLOT_PIXELS = 512
@@ -246,7 +246,10 @@ class RangeMask:
 
     def to(self, device) -> "RangeMask":
         """The same mask on ``device`` (``self`` when already there)."""
-        return RangeMask(*(t.to(device) for t in self.tensors()))
+        moved = tuple(t.to(device) for t in self.tensors())
+        if all(m is t for m, t in zip(moved, self.tensors())):
+            return self
+        return RangeMask(*moved)
 
     def __len__(self) -> int:
         return self.num_slices

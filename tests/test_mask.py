@@ -186,6 +186,7 @@ def test_constructor_converts_lists_and_keeps_tensors():
     assert empty.num_slices == 0 and empty.area() == 0 and empty.q_ranges.shape == (0, 2)
     assert "CAUSAL" in repr(m) and "2 slices" in repr(m)
     assert RangeMask.causal(3, device="meta").device.type == "meta"
+    assert m.to("cpu") is m
     moved = m.to("meta")
     assert moved.device.type == "meta" and moved.num_slices == 2
 

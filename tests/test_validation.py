@@ -215,6 +215,10 @@ def test_flex_flash_attn_func_errors():
     qr = _t([[0, 6]])
     with pytest.raises(NotImplementedError, match=r"attention sinks.*sink=None"):
         flex_flash_attn_func(q, q, q, qr, qr, sink=torch.zeros(1, 2))
+    with pytest.raises(NotImplementedError, match=r"index-sparse attention.*RangeMask\.block_sparse"):
+        flex_flash_attn_func(q, q, q, qr, qr, index_sparse_indices=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match=r"max logits"):
+        flex_flash_attn_func(q, q, q, qr, qr, return_max_logits=True)
     with pytest.raises(ValueError, match=r"attn_type_map must be an int32 tensor of shape \(S,\) or None"):
         flex_flash_attn_func(q, q, q, qr, qr, 6, 6, "causal")
     with pytest.raises(ValueError, match=r"q_ranges must be an int32 tensor of shape \(S, 2\)"):
