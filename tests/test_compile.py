@@ -146,8 +146,41 @@ def _mask_args_range(seed):
     return _random_doc_mask(rng, T_FG, 5).pad_to(8).tensors()
 
 
+def _attn_flex(q, k, v, q_ranges, k_ranges, attn_type_map):
+    return flashrange.flex_flash_attn_func(q, k, v, q_ranges, k_ranges, attn_type_map=attn_type_map)
+
+
+def _attn_fa3(q, k, v):
+    """Packed `(3 * 13, H, D)` viewed as a `(3, 13, H, D)` batch; causal sliding window."""
+    B = 3
+    q4, k4, v4 = (t.view(B, t.shape[0] // B, t.shape[1], t.shape[2]) for t in (q, k, v))
+    out, lse = flashrange.flash_attn_func(q4, k4, v4, causal=True, window_size=(5, -1), return_attn_probs=True)
+    return out.reshape(q.shape), lse.transpose(1, 2).reshape(q.shape[0], q.shape[1])
+
+
+def _attn_varlen(q, k, v, cu_seqlens):
+    out, lse = flashrange.flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen_q=T_FG, max_seqlen_k=T_FG,
+        causal=True, window_size=(6, -1), return_attn_probs=True,
+    )
+    return out, lse.transpose(0, 1)
+
+
+def _mask_args_none(seed):
+    return ()
+
+
+def _mask_args_cu_seqlens(seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, T_FG), 4))
+    return (torch.tensor([0, *cuts, T_FG], dtype=torch.int32),)
+
+
 FRONTENDS = {
     "range_attention": (_attn_range, _mask_args_range),
+    "flex_flash_attn_func": (_attn_flex, _mask_args_range),
+    "flash_attn_func": (_attn_fa3, _mask_args_none),
+    "flash_attn_varlen_func": (_attn_varlen, _mask_args_cu_seqlens),
 }
 
 
