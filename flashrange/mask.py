@@ -74,10 +74,11 @@ def window_slices(qs, qe, ks, ke, left: int, right: int):
     """Slices covering a FlashAttention window inside each of ``B`` documents.
 
     Document ``b`` is queries ``[qs[b], qe[b])`` by keys ``[ks[b], ke[b])``
-    (int64 tensors of shape ``(B,)``, on any device). With
+    (integer tensors of shape ``(B,)``, on any device). With
     ``off = Lk - Lq``, local query ``i`` attends local key ``j`` when
     ``i + off - left <= j <= i + off + right`` (FA3's bottom-right window;
-    ``-1`` = unbounded side; causal is ``right = 0``).
+    ``-1`` = unbounded side; causal is ``right = 0``). Integer tensors of
+    any width are accepted (computed in int64).
 
     The band clipped to the document is at most three slices, whatever the
     window and length: rows whose band is cut by key 0 (a CAUSAL slice),
@@ -101,6 +102,8 @@ def window_slices(qs, qe, ks, ke, left: int, right: int):
     unbounded, 3 otherwise. Empty slices are exactly ``[0, 0) x [0, 0)`` FULL.
     """
     left, right = int(left), int(right)
+    # int64: the unbounded sentinel would overflow int32 arithmetic.
+    qs, qe, ks, ke = (x.to(torch.int64) for x in (qs, qe, ks, ke))
     lq, lk = qe - qs, ke - ks
     if left < 0 and right < 0:
         q0, q1, k0, k1 = qs.unsqueeze(1), qe.unsqueeze(1), ks.unsqueeze(1), ke.unsqueeze(1)

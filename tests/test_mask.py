@@ -316,7 +316,7 @@ def test_window_slices_static_count_and_no_host_read(left, right, pieces):
     assert qr.shape == (pieces * B, 2) and kr.shape == (pieces * B, 2) and mt.shape == (pieces * B,)
     assert qr.dtype == kr.dtype == mt.dtype == torch.int32
     # Same cells as the host builder on real values (which also drops the empties).
-    cu = torch.tensor([0, 4, 4, 13, 14, 20])
+    cu = torch.tensor([0, 4, 4, 13, 14, 20], dtype=torch.int32)  # int32 in: no overflow of the sentinel
     qr, kr, mt = window_slices(cu[:-1], cu[1:], cu[:-1], cu[1:], left, right)
     assert qr.shape[0] == pieces * B
     empty = (qr[:, 1] <= qr[:, 0]) | (kr[:, 1] <= kr[:, 0])
