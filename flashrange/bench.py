@@ -37,6 +37,7 @@ runs the harness on the CPU at toy sizes (the smoke test of the CI).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import fnmatch
@@ -257,6 +258,24 @@ class _Timer:
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+@contextlib.contextmanager
+def _sync_watch(active):
+    """Collects the messages of host syncs seen under CUDA sync-debug "warn" mode (nothing when inactive)."""
+    found = []
+    if not active:
+        yield found
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -331,11 +350,27 @@ class FlashRange(Contender):
 
     def make(self, case, mask):
         from . import range_attention
+        from .interface import check_range_values
 
         qr, kr, mt = mask.q_ranges, mask.k_ranges, mask.mask_types
+        check_range_values(qr, kr, mt, case.T, case.T)  # once, on the host, like a data loader would
+
+        def call(q, k, v):
+            return range_attention(q, k, v, qr, kr, mt, max_seqlen_q=case.T, max_seqlen_k=case.T)[0]
 
         def fn(q, k, v):
-            return range_attention(q, k, v, qr, kr, mt, max_seqlen_q=case.T, max_seqlen_k=case.T)[0]
+            if not q.is_cuda:
+                return call(q, k, v)
+            # Sync-debug "warn" makes range_attention skip its eager host-side
+            # range check (a device sync no peer pays, as under compile or
+            # CUDA graphs) and would report any host sync of the GPU path.
+            prev = torch.cuda.get_sync_debug_mode()
+            if prev == 0:
+                torch.cuda.set_sync_debug_mode(1)
+            try:
+                return call(q, k, v)
+            finally:
+                torch.cuda.set_sync_debug_mode(prev)
 
         return fn
 
@@ -548,8 +583,10 @@ def _rel_err(a, b):
     return (a - b).norm().item() / max(den, 1e-30)
 
 
-def _free(device):
-    gc.collect()
+def _free(device, collect=False):
+    # gc.collect costs ~0.5 s once Dynamo has run: only between cases.
+    if collect:
+        gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
 
@@ -600,8 +637,10 @@ def _run_contender(c, case, mask, q, k, v, dout, timer, backward, ref):
         fn = c.make(case, mask)
         leaves = [c.to_layout(t).detach().requires_grad_(backward) for t in (q, k, v)]
         dout_l = c.to_layout(dout)
+        watch = device.type == "cuda" and not c.is_peer
         t0 = time.perf_counter()
-        out = fn(*leaves)
+        with _sync_watch(watch) as syncs:
+            out = fn(*leaves)
         _sync(device)
         rec["first_call_s"] = time.perf_counter() - t0
         out_thd = c.from_layout(out.detach())
@@ -625,8 +664,12 @@ def _run_contender(c, case, mask, q, k, v, dout, timer, backward, ref):
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, dout_l) if backward else None
+        with _sync_watch(watch) as syncs_fb:
+            out = fn(*leaves)
+            grads = torch.autograd.grad(out, leaves, dout_l) if backward else None
+        if syncs or syncs_fb:
+            rec["note"] = (rec["note"] + " " if rec["note"] else "") + f"HOST SYNC: {(syncs + syncs_fb)[0][:60]}"
+            rec["host_syncs"] = len(syncs) + len(syncs_fb)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             rec["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device) - base
@@ -847,7 +890,8 @@ def short_table(data) -> str:
                 cells.append("n/a")
             else:
                 cells.append(f"{_fmt(r.get('fwd'))} / {_fmt(r.get('fwdbwd'))}")
-        lines.append(f"| {c['name']} | {fr_cell} | " + " | ".join(cells) + " |")
+        name = c["name"] + (" (interrupted)" if c.get("interrupted") else "")
+        lines.append(f"| {name} | {fr_cell} | " + " | ".join(cells) + " |")
     p = data.get("plan")
     if p:
         lines.append("")
@@ -992,6 +1036,7 @@ def _parser():
     p.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch with flashrange")
     p.add_argument("--report-only", metavar="JSON", default=None,
                    help="print the markdown and short tables of an earlier run's bench.json and exit")
+    p.add_argument("--short", action="store_true", help="with --report-only: the short table alone")
     return p
 
 
@@ -1010,7 +1055,7 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if args.report_only:
         data = json.loads(Path(args.report_only).read_text())
-        print(markdown_report(data))
+        print(short_table(data) if args.short else markdown_report(data))
         return 1 if data.get("failures") or data.get("errors") else 0
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1109,7 +1154,7 @@ def main(argv=None):
             crec["ratios"] = _ratios(crec)
             crec["wall_s"] = time.perf_counter() - t_case
             del q, k, v, dout, ref
-            _free(device)
+            _free(device, collect=True)
             _write(data, out_dir, with_plot=False)  # partial results survive a kill
         if not args.no_plan:
             progress.step("build_plan alone")
@@ -1122,6 +1167,8 @@ def main(argv=None):
         data["interrupted"] = True
         data["errors"].append("interrupted (time limit): later cases missing")
         for crec in data["cases"]:
+            if "wall_s" not in crec and not crec.get("skipped"):
+                crec["interrupted"] = True
             crec.setdefault("ratios", _ratios(crec))
     finally:
         progress.close()
