@@ -212,8 +212,8 @@ def test_compile_no_recompile_on_mask_change():
                 torch.cat([mt, torch.zeros(CAP - n, dtype=torch.int32)]).to(DEV))
 
     def f(q, k, v, qr, kr, mt):
-        out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
-        return out.float().sum(-1), lse
+        # Nothing fused around the op: the compiled result must match eager bit for bit.
+        return flashrange.range_attention(q, k, v, qr, kr, mt)
 
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)

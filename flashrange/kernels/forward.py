@@ -48,10 +48,10 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _tile_step(
     acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, c0, k_hi, stride_kt, stride_vt,
-    offs_m, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, qk_scale, cap_in, cap_out,
+    offs_m, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
 ):
     """One online-softmax step over keys ``[c0, c0 + BLOCK_N)``; scores are kept in base 2.
@@ -100,23 +100,32 @@ def _tile_step(
         # Triton version; the absolute error stays at fp32 rounding.
         e = tl.exp2(qk * cap_in)
         s = cap_out * (1.0 - 2.0 / (e + 1.0))
+    elif FOLD_SCALE:
+        # The scale is applied inside the row max and the exponent (one FMA per score).
+        s = qk
     else:
         s = qk * qk_scale
     if IS_MASKED:
-        # The slice's cells (see _mask.tile_mask), with its diagonals hoisted out of the loop.
-        i = offs_m[:, None]
+        # The slice's cells (_mask.tile_mask): rows and columns as vectors, the two
+        # diagonals with bounds that are +-inf-like when the type has no such diagonal.
         j = offs_n[None, :]
-        mask = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
-        mask = mask & ((~has_upper) | (j - i <= d_max)) & ((~has_lower) | (j - i >= d_min))
+        diag = j - offs_m[:, None]
+        mask = row_ok[:, None] & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
         s = tl.where(mask, s, float("-inf"))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
+    if IS_MASKED:
         # A row with nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    if FOLD_SCALE:
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if FIX_BF16:
@@ -141,7 +150,7 @@ def _range_attn_fwd_kernel(
     qk_scale, cap_in, cap_out, GROUP,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
 ):
     """Grid ``(n_blocks, Hq)``: axis 0 walks ``block_order`` (heaviest block first) within a head.
@@ -214,23 +223,28 @@ def _range_attn_fwd_kernel(
         full_ok = rows_in & (c_hi - k_lo >= 0)
         n_full_lo = tl.where(full_ok, n_full_lo, n_tiles)
         n_full_hi = tl.where(full_ok, n_full_hi, n_tiles)
+        # Masked tiles: rows of the slice, and diagonal bounds no cell can miss when
+        # the type has no such diagonal (|j - i| < 2**30 since T <= MAX_TOKENS).
+        row_ok = (offs_m >= qs) & (offs_m < qe)
+        d_hi = tl.where(has_upper, d_max, 1 << 30)
+        d_lo = tl.where(has_lower, d_min, -(1 << 30))
 
         # Unmasked middle.
         for t in tl.range(n_full_lo, n_full_hi, warp_specialize=WARP_SPEC):
             acc, l_i, m_i = _tile_step(
                 acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + t * BLOCK_N, k_hi,
-                stride_kt, stride_vt, offs_m, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                stride_kt, stride_vt, offs_m, row_ok, ks, ke, d_lo, d_hi,
                 qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                HAS_SOFTCAP, USE_TMA, False, DOT_PRECISION, FIX_BF16, IDX64)
+                HAS_SOFTCAP, FOLD_SCALE, USE_TMA, False, DOT_PRECISION, FIX_BF16, IDX64)
         # Masked head [0, n_full_lo) and tail [n_full_hi, n_tiles), in one loop.
         n_masked = n_full_lo + (n_tiles - n_full_hi)
         for t in range(0, n_masked):
             tile = tl.where(t < n_full_lo, t, t - n_full_lo + n_full_hi)
             acc, l_i, m_i = _tile_step(
                 acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + tile * BLOCK_N, k_hi,
-                stride_kt, stride_vt, offs_m, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                stride_kt, stride_vt, offs_m, row_ok, ks, ke, d_lo, d_hi,
                 qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                HAS_SOFTCAP, USE_TMA, True, DOT_PRECISION, FIX_BF16, IDX64)
+                HAS_SOFTCAP, FOLD_SCALE, USE_TMA, True, DOT_PRECISION, FIX_BF16, IDX64)
 
     covered = l_i > 0.0
     l_safe = tl.where(covered, l_i, 1.0)
@@ -267,16 +281,22 @@ class FwdConfig:
 # configs_for() drops the ones a head dim, dtype or Triton build cannot run.
 FWD_CONFIGS = [
     FwdConfig("ptr_m128_n64_w4_s3", 128, 64, 4, 3),
+    FwdConfig("ptr_m128_n64_w8_s2", 128, 64, 8, 2),
     FwdConfig("ptr_m128_n64_w8_s3", 128, 64, 8, 3),
+    FwdConfig("ptr_m128_n64_w8_s4", 128, 64, 8, 4),
     FwdConfig("ptr_m128_n128_w8_s2", 128, 128, 8, 2),
+    FwdConfig("ptr_m128_n128_w8_s3", 128, 128, 8, 3),
     FwdConfig("ptr_m64_n64_w4_s3", 64, 64, 4, 3),
+    FwdConfig("ptr_m64_n64_w4_s4", 64, 64, 4, 4),
+    FwdConfig("ptr_m64_n128_w4_s3", 64, 128, 4, 3),
     FwdConfig("ptr_m64_n32_w4_s2", 64, 32, 4, 2),
     FwdConfig("tma_m128_n64_w4_s2", 128, 64, 4, 2, use_tma=True),
     FwdConfig("tma_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True),
+    FwdConfig("tma_m128_n64_w8_s3", 128, 64, 8, 3, use_tma=True),
     FwdConfig("tma_m128_n128_w8_s2", 128, 128, 8, 2, use_tma=True),
-    FwdConfig("tma_m64_n64_w4_s2", 64, 64, 4, 2, use_tma=True),
-    FwdConfig("ws_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True),
-    FwdConfig("ws_m128_n64_w4_s2", 128, 64, 4, 2, use_tma=True, warp_spec=True),
+    FwdConfig("tma_m64_n64_w4_s3", 64, 64, 4, 3, use_tma=True),
+    # Warp specialization: on Triton 3.6 the 4-warp variants fail to compile this kernel
+    # (WSDataPartition asserts on the loop nest: "value not sliced"), so only 8 warps.
     FwdConfig("ws_m128_n128_w8_s2", 128, 128, 8, 2, use_tma=True, warp_spec=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
@@ -291,7 +311,7 @@ _DEFAULTS = {
     16: "ptr_m128_n64_w4_s3",
     32: "ptr_m128_n64_w4_s3",
     64: "ptr_m128_n64_w4_s3",
-    128: "ptr_m128_n64_w4_s3",
+    128: "ptr_m128_n64_w8_s3",
     256: "ptr_m64_n32_w4_s2",
 }
 _SMEM_LIMIT = 220 * 1024
@@ -443,7 +463,7 @@ def range_attention_forward_triton(
         Hq // Hkv, D=D, DV=Dv,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
         BLOCK_D=_pad_dim(D), BLOCK_DV=_pad_dim(Dv),
-        HAS_SOFTCAP=softcap > 0, USE_TMA=use_tma, WARP_SPEC=config.warp_spec and use_tma,
+        HAS_SOFTCAP=softcap > 0, FOLD_SCALE=softcap <= 0 and scale > 0, USE_TMA=use_tma, WARP_SPEC=config.warp_spec and use_tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FIX_BF16=_interpreting() and q.dtype == torch.bfloat16,
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
