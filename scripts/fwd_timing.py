@@ -80,7 +80,10 @@ CASES = [
     ("window2048-32k-d128", "window", 32768, 16, 128, {"window": 2048}),
     ("full-8k-d64", "full", 8192, 16, 64, {}),
     ("causal-8k-d64", "causal", 8192, 16, 64, {}),
+    ("full-4k-d256", "full", 4096, 16, 256, {}),
 ]
+SWEEP = {"full-8k-d128", "causal-32k-d128", "doc16-32k-d128", "doc128-32k-d128", "window2048-32k-d128",
+         "full-8k-d64", "causal-8k-d64", "full-4k-d256"}
 
 
 # Cases with no bar against FlexAttention: skip its (slow) compile there.
@@ -185,7 +188,11 @@ def plan_cost(S=4096, T=131072, block=128):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    n_kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    cuda_ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    n_kernels = len(cuda_ev)
+    per_kernel = {e.name[:40]: round(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total, 1)
+                  for e in cuda_ev}
+    print("plan kernels (us):", per_kernel, flush=True)
     return {"plan_S": S, "plan_T": T, "plan_ms": ms, "plan_host_ms": host_ms, "plan_graph_ms": ms_graph,
             "plan_kernels": n_kernels}
 
@@ -193,6 +200,8 @@ def plan_cost(S=4096, T=131072, block=128):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time every config on a few cases")
+    ap.add_argument("--no-main", action="store_true", help="skip the default-config table with peers")
+    ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated case names")
     ap.add_argument("--json", default="")
     ap.add_argument("--no-flex", action="store_true")
@@ -202,14 +211,15 @@ def main(argv=None):
     only = set(filter(None, args.only.split(",")))
     print(json.dumps(plan_cost()), flush=True)
     for name, kind, T, H, D, extra in CASES:
-        if only and name not in only:
+        if (only and name not in only) or args.no_main:
             continue
-        row = time_case(name, kind, T, H, D, extra, flex=not args.no_flex and name not in NO_FLEX)
+        row = time_case(name, kind, T, H, D, extra, flex=not args.no_flex and name not in NO_FLEX,
+                        sdpa=not args.no_sdpa)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.sweep:
         for name, kind, T, H, D, extra in CASES:
-            if name not in ("full-8k-d128", "causal-8k-d128", "doc128-32k-d128", "full-8k-d64"):
+            if name not in SWEEP or (only and name not in only):
                 continue
             for cfg in fwd.configs_for(D, D, torch.bfloat16):
                 try:
@@ -227,9 +237,13 @@ def main(argv=None):
             continue
         cu = r.get("cudnn_tflops")
         fl = r.get("flex_tflops")
+        if cu is None:
+            cu = "-"
+        if fl is None:
+            fl = "-"
         print(f"{r['case']:22s} {r['config']:22s} {r['flashrange_ms']:8.3f} {r['flashrange_tflops']:6.0f} "
-              f"{cu if cu is None else round(cu):>6} {fl if fl is None else round(fl):>6} "
-              f"{'' if fl is None else round(r['flashrange_tflops'] / fl, 2):>6} "
+              f"{cu if cu == '-' else round(cu):>6} {fl if fl == '-' else round(fl):>6} "
+              f"{'' if fl == '-' else round(r['flashrange_tflops'] / fl, 2):>6} "
               f"{'' if 'flex_block_mask_ms' not in r else round(r['flex_block_mask_ms'], 2):>6}"
               f"{'  NaN!' if r.get('nan') else ''}")
     if args.json:
