@@ -135,14 +135,37 @@ def _block_windows_kernel(
 ):
     pid = tl.program_id(0)
     offs_b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-    b0 = offs_b.to(tl.int64) * BLOCK
+    b0 = offs_b * BLOCK
     b1 = tl.minimum(b0 + BLOCK, T)
     hi = tl.zeros([BLOCK_B], dtype=tl.int32)
     lo = tl.zeros([BLOCK_B], dtype=tl.int32) + S
-    work = tl.zeros([BLOCK_B], dtype=tl.int64)
+    # Windows first, in cheap int32 compares over every slice ...
     for t0 in range(0, S, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < S
+        if IS_TRANSPOSED:
+            ms = tl.load(slices_ptr + offs_t * 5 + 2, mask=mask_t, other=0)
+            me = tl.load(slices_ptr + offs_t * 5 + 3, mask=mask_t, other=0)
+        else:
+            ms = tl.load(slices_ptr + offs_t * 5 + 0, mask=mask_t, other=0)
+            me = tl.load(slices_ptr + offs_t * 5 + 1, mask=mask_t, other=0)
+        mt = tl.load(slices_ptr + offs_t * 5 + 4, mask=mask_t, other=-1)
+        valid = mask_t & (mt >= 0)
+        starts_before = valid[None, :] & (ms[None, :] < b1[:, None])
+        hi += tl.sum(starts_before.to(tl.int32), axis=1)
+        ends_after = valid[None, :] & (me[None, :] > b0[:, None])
+        lo = tl.minimum(lo, tl.min(tl.where(ends_after, offs_t[None, :], S), axis=1))
+    # ... then the int64 cell counts only over the slices some block of this program
+    # may meet: the union of the windows (the others contribute nothing).
+    mask_b = offs_b < n_blocks
+    t_lo = tl.min(tl.where(mask_b, lo, S), axis=0)
+    t_hi = tl.max(tl.where(mask_b, hi, 0), axis=0)
+    b0w = b0.to(tl.int64)
+    b1w = b1.to(tl.int64)
+    work = tl.zeros([BLOCK_B], dtype=tl.int64)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < t_hi
         qs = tl.load(slices_ptr + offs_t * 5 + 0, mask=mask_t, other=0).to(tl.int64)
         qe = tl.load(slices_ptr + offs_t * 5 + 1, mask=mask_t, other=0).to(tl.int64)
         ks = tl.load(slices_ptr + offs_t * 5 + 2, mask=mask_t, other=0).to(tl.int64)
@@ -153,14 +176,9 @@ def _block_windows_kernel(
             ms, me, ns, ne = ks, ke, qs, qe
         else:
             ms, me, ns, ne = qs, qe, ks, ke
-        starts_before = valid[None, :] & (ms[None, :] < b1[:, None])
-        hi += tl.sum(starts_before.to(tl.int32), axis=1)
-        ends_after = valid[None, :] & (me[None, :] > b0[:, None])
-        lo = tl.minimum(lo, tl.min(tl.where(ends_after, offs_t[None, :], S), axis=1))
-        cells = _slice_cells_in(b0[:, None], b1[:, None], ms[None, :], (me - ms)[None, :], (ne - ns)[None, :],
+        cells = _slice_cells_in(b0w[:, None], b1w[:, None], ms[None, :], (me - ms)[None, :], (ne - ns)[None, :],
                                 mt[None, :], IS_TRANSPOSED)
         work += tl.sum(tl.where(valid[None, :], cells, 0), axis=1)
-    mask_b = offs_b < n_blocks
     tl.store(lo_ptr + offs_b, tl.minimum(lo, hi), mask=mask_b)
     tl.store(hi_ptr + offs_b, hi, mask=mask_b)
     tl.store(work_ptr + offs_b, work, mask=mask_b)
@@ -204,8 +222,9 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpos
         _rank_slices_kernel[(triton.cdiv(S, BLOCK_S),)](
             qr, kr, mt, slices, S, Tq, Tk, IS_TRANSPOSED=transpose, BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T
         )
-    _block_windows_kernel[(triton.cdiv(n_blocks, BLOCK_B),)](
-        slices, lo, hi, work, S, T, n_blocks, IS_TRANSPOSED=transpose, BLOCK=block, BLOCK_B=BLOCK_B, BLOCK_T=64
+    # Eight blocks a program: enough programs to fill the GPU at long contexts.
+    _block_windows_kernel[(triton.cdiv(n_blocks, 8),)](
+        slices, lo, hi, work, S, T, n_blocks, IS_TRANSPOSED=transpose, BLOCK=block, BLOCK_B=8, BLOCK_T=128
     )
     _order_blocks_kernel[(triton.cdiv(n_blocks, BLOCK_B),)](work, order, n_blocks, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T)
     return RangePlan(slices, lo, hi, order)
