@@ -45,7 +45,6 @@ import gc
 import inspect
 import json
 import math
-import os
 import platform
 import random
 import statistics
