@@ -249,3 +249,24 @@ def test_default_configs_listed():
     for D in (32, 64, 96, 128, 192, 256):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             assert default_config(D, D, dtype) in configs_for(D, D, dtype)
+
+
+def test_plan_triton_equals_torch_on_cuda():
+    """The plan the kernel uses on CUDA (Triton) equals the plain-PyTorch plan, bit for bit."""
+    from flashrange.plan import build_plan
+
+    cases = [(131072, 131072, 4096, False), (32768, 30011, 300, True), (1031, 2053, 64, True), (17, 5, 9, True)]
+    for Tq, Tk, S, garbage in cases:
+        if garbage:
+            qr, kr, mt = random_slices(Tq, Tk, S, seed=S, garbage=True, n_empty=3)
+        else:
+            bounds = [0] + sorted(random.Random(S).sample(range(1, Tq), S - 1)) + [Tq]
+            qr = torch.tensor([[a, b] for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.int32)
+            kr, mt = qr.clone(), torch.full((S,), CAUSAL, dtype=torch.int32)
+        qr, kr, mt = qr.to(DEV), kr.to(DEV), mt.to(DEV)
+        for transpose in (False, True):
+            for block in (64, 128):
+                a = build_plan(qr, kr, mt, Tq, Tk, block, transpose=transpose, backend="torch")
+                b = build_plan(qr, kr, mt, Tq, Tk, block, transpose=transpose, backend="triton")
+                for name, x, y in zip(a._fields, a, b):
+                    assert torch.equal(x, y), (Tq, Tk, S, transpose, block, name)
