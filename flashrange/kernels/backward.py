@@ -90,7 +90,7 @@ def _bwd_preprocess(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v,
-    Q_h, DO_h, LSE2_h, DELTA_h,
+    Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
     first_m, n_tiles, m_lo, m_hi,
     offs_n, offs_d, offs_dv,
     stride_qt, stride_dot,
@@ -98,7 +98,7 @@ def _dkdv_tiles(
     D, DV, qk_scale2, scale, softcap,
     IS_MASKED: tl.constexpr, IS_SOFTCAP: tl.constexpr,
     PAD_D: tl.constexpr, PAD_DV: tl.constexpr, ROW64: tl.constexpr,
-    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Accumulate ``n_tiles`` query tiles starting at row ``first_m`` into one key block.
 
@@ -152,19 +152,28 @@ def _dkdv_tiles(
         dsT = pT * (dpT - delta[None, :])
         if IS_SOFTCAP:
             dsT = dsT * (1.0 - th * th)
-        dk += tl.dot(_cast(dsT, q.dtype, EMU_BF16), q, input_precision=DOT_PREC)
+        ds_op = _cast(dsT, q.dtype, EMU_BF16)
+        dk += tl.dot(ds_op, q, input_precision=DOT_PREC)
+        if ATOMIC_DQ:
+            dq_part = tl.dot(tl.trans(ds_op), k, input_precision=DOT_PREC) * scale
+            dq_ptrs = DQA_h + rows[:, None] * stride_qt + offs_d[None, :]
+            if IS_MASKED:
+                tl.atomic_add(dq_ptrs, dq_part, mask=mask_m[:, None] & (offs_d[None, :] < D), sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq_part, mask=offs_d[None, :] < D, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV_,
+    Q, K, V, DO, LSE2, DELTA, DK, DV_, DQA,
     SLICES, BLOCK_LO, BLOCK_HI, BLOCK_ORDER,
     Tq, Tk, Hq, Hkv, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     scale, softcap,
     IS_SOFTCAP: tl.constexpr, ROW64: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Heaviest key blocks first; all heads of one block are neighbours in the grid.
@@ -220,26 +229,27 @@ def _bwd_dkdv_kernel(
             DO_h = DO + h * stride_doh
             LSE2_h = LSE2 + h * Tq
             DELTA_h = DELTA + h * Tq
+            DQA_h = DQA + h * stride_qh
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
+                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
                 f_lo - n_pre * BLOCK_M, n_pre, m_lo, m_hi,
                 offs_n, offs_d, offs_dv, stride_qt, stride_dot,
                 qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-                True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
+                True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
             )
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
+                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
                 f_lo, n_full, m_lo, m_hi,
                 offs_n, offs_d, offs_dv, stride_qt, stride_dot,
                 qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-                False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
+                False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
             )
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
+                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
                 post, n_post, m_lo, m_hi,
                 offs_n, offs_d, offs_dv, stride_qt, stride_dot,
                 qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-                True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
+                True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
             )
 
     dk = dk * scale
@@ -460,8 +470,32 @@ def range_attention_backward_triton(
     optional `(Tq, Hq)` gradient of `lse`; `q_ranges`, `k_ranges`: `(S, 2)`
     int32; `mask_types`: `(S,)` int32. Returns `(dq, dk, dv)` in the dtypes of
     `q, k, v`. Deterministic (no atomics), no host synchronisation, extra
-    memory O((Tq + Tk) * H + S).
+    memory O((Tq + Tk) * H + S). `config` overrides :func:`default_config`.
     """
+    st = _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config)
+    if st is None:
+        return _zeros(q, k, v)
+    _launch_preprocess(st)
+    _launch_dkdv(st)
+    _launch_dq(st)
+    return st.dq, st.dk, st.dv
+
+
+class _State:
+    """Everything the three launches share (tensors made contiguous, scalars, config)."""
+
+    __slots__ = ("dout", "q", "k", "v", "out", "lse", "dlse", "q_ranges", "k_ranges", "mask_types", "scale",
+                 "softcap", "cfg", "dq", "dk", "dv", "delta", "lse2", "row64", "emu_bf16", "dot_prec", "dqa")
+
+
+def _zeros(q, k, v):
+    return (torch.zeros_like(q, memory_format=torch.contiguous_format),
+            torch.zeros_like(k, memory_format=torch.contiguous_format),
+            torch.zeros_like(v, memory_format=torch.contiguous_format))
+
+
+def _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config):
+    """Checks shapes and allocates outputs; ``None`` when there is nothing to compute."""
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (T, H, D), got shape {tuple(t.shape)}")
@@ -477,66 +511,100 @@ def range_attention_backward_triton(
         raise ValueError(f"lse and dlse must have shape {(Tq, Hq)}")
     if max(D, Dv) > 256:
         raise ValueError(f"head dims up to 256 are supported, got D={D}, Dv={Dv}")
-    G = Hq // Hkv
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    softcap = float(softcap)
-    dev = q.device
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     S = mask_types.reshape(-1).shape[0]
     if Tq == 0 or Tk == 0 or Hq == 0 or S == 0 or D == 0 or Dv == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return None
 
     def last_dim_contiguous(t):
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    q, k, v, dout, out = (last_dim_contiguous(t) for t in (q, k, v, dout, out))
-    cfg = BwdConfig(*config).check() if config is not None else default_config(D, Dv, q.dtype, dev)
-    BLOCK_D, BLOCK_DV = _block_dim(D), _block_dim(Dv)
-    emu_bf16 = q.dtype == torch.bfloat16 and _interpreting()
-    dot_prec = "ieee" if q.dtype == torch.float32 or emu_bf16 else "tf32"
+    st = _State()
+    st.q, st.k, st.v, st.dout, st.out = (last_dim_contiguous(t) for t in (q, k, v, dout, out))
+    st.lse, st.dlse = lse, dlse
+    st.q_ranges, st.k_ranges, st.mask_types = q_ranges, k_ranges, mask_types
+    st.scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    st.softcap = float(softcap)
+    dev = q.device
+    st.cfg = BwdConfig(*config).check() if config is not None else default_config(D, Dv, q.dtype, dev)
+    st.dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    st.dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    st.dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    st.dqa = None
+    st.emu_bf16 = q.dtype == torch.bfloat16 and _interpreting()
+    st.dot_prec = "ieee" if q.dtype == torch.float32 or st.emu_bf16 else "tf32"
     # Row offsets stay int32 unless some tensor spans 2**31 elements.
-    row64 = max(t.numel() for t in (q, k, v, dout)) >= 2**31 - 1
+    st.row64 = max(t.numel() for t in (q, k, v, dout)) >= 2**31 - 1
+    st.delta = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
+    st.lse2 = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
+    return st
 
-    delta = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
-    lse2 = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
+
+def _launch_preprocess(st):
+    Tq, Hq, _ = st.q.shape
+    Dv = st.v.shape[2]
+    out, dout, lse, dlse = st.out, st.dout, st.lse, st.dlse
     PRE_M = 64
     _bwd_preprocess[(triton.cdiv(Tq, PRE_M), Hq)](
-        out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
+        out, dout, lse, dlse if dlse is not None else lse, st.delta, st.lse2,
         Tq, Dv,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         lse.stride(0), lse.stride(1),
         dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
-        HAS_DLSE=dlse is not None, BLOCK_M=PRE_M, BLOCK_DV=BLOCK_DV,
+        HAS_DLSE=dlse is not None, BLOCK_M=PRE_M, BLOCK_DV=_block_dim(Dv),
     )
 
-    is_softcap = softcap > 0.0
-    kv_plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, cfg.kv_block_n, transpose=True)
-    n_kb = kv_plan.block_order.shape[0]
-    _bwd_dkdv_kernel[(n_kb * Hkv,)](
-        q, k, v, dout, lse2, delta, dk, dv,
-        kv_plan.slices, kv_plan.block_lo, kv_plan.block_hi, kv_plan.block_order,
-        Tq, Tk, Hq, Hkv, G, D, Dv,
+
+def _launch_dkdv(st, atomic_dq=False):
+    q, k, v, dout, dk, dv, cfg = st.q, st.k, st.v, st.dout, st.dk, st.dv, st.cfg
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dv = v.shape
+    is_softcap = st.softcap > 0.0
+    if atomic_dq:
+        st.dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    plan = build_plan(st.q_ranges, st.k_ranges, st.mask_types, Tq, Tk, cfg.kv_block_n, transpose=True)
+    n_blocks = plan.block_order.shape[0]
+    _bwd_dkdv_kernel[(n_blocks * Hkv,)](
+        q, k, v, dout, st.lse2, st.delta, dk, dv, st.dqa if atomic_dq else dk,
+        plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
+        Tq, Tk, Hq, Hkv, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale, softcap if is_softcap else 1.0,
-        IS_SOFTCAP=is_softcap, ROW64=row64, DOT_PREC=dot_prec, EMU_BF16=emu_bf16,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        st.scale, st.softcap if is_softcap else 1.0,
+        IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16, ATOMIC_DQ=atomic_dq,
+        BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
     )
 
-    q_plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, cfg.q_block_m)
-    n_qb = q_plan.block_order.shape[0]
-    _bwd_dq_kernel[(n_qb * Hq,)](
-        q, k, v, dout, lse2, delta, dq,
-        q_plan.slices, q_plan.block_lo, q_plan.block_hi, q_plan.block_order,
-        Tq, Tk, Hq, G, D, Dv,
+
+def _launch_dq(st):
+    q, k, v, dout, dq, cfg = st.q, st.k, st.v, st.dout, st.dq, st.cfg
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dv = v.shape
+    is_softcap = st.softcap > 0.0
+    plan = build_plan(st.q_ranges, st.k_ranges, st.mask_types, Tq, Tk, cfg.q_block_m)
+    n_blocks = plan.block_order.shape[0]
+    _bwd_dq_kernel[(n_blocks * Hq,)](
+        q, k, v, dout, st.lse2, st.delta, dq,
+        plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
+        Tq, Tk, Hq, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-        scale, softcap if is_softcap else 1.0,
-        IS_SOFTCAP=is_softcap, ROW64=row64, DOT_PREC=dot_prec, EMU_BF16=emu_bf16,
-        BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        st.scale, st.softcap if is_softcap else 1.0,
+        IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16,
+        BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         num_warps=cfg.q_warps, num_stages=cfg.q_stages,
     )
-    return dq, dk, dv
+
+
+def _backward_atomic_dq(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0,
+                        dlse=None, *, config=None):
+    """Experimental, NOT deterministic: dQ accumulated with float32 atomics inside the dK/dV kernel.
+
+    Kept only to measure against the deterministic path (scripts/bwd_timing.py).
+    """
+    st = _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config)
+    if st is None:
+        return _zeros(q, k, v)
+    _launch_preprocess(st)
+    _launch_dkdv(st, atomic_dq=True)
+    return st.dqa.to(q.dtype), st.dk, st.dv

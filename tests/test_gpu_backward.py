@@ -1,0 +1,300 @@
+"""The Triton backward on a CUDA GPU: realistic sizes, a random-slice fuzz, invariance, compile contract.
+
+Skipped cleanly without CUDA (``pytest -m gpu`` selects these). Accuracy
+follows the same three-way rule as ``tests/test_kernel_backward.py`` (golden:
+the reference on float64 inputs; budget: twice the reference's error in the
+test dtype, plus one epsilon of the dtype at the gradient's scale, which is
+the cost of rounding P and dS to the input dtype before the tensor-core
+products, as every flash attention does).
+
+The forward used by the autograd tests is whatever the CUDA slot of
+``flashrange::fwd`` runs: the Triton forward when it is importable, else the
+reference; ``test_report_forward_in_use`` prints which.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+if torch.cuda.is_available():
+    import flashrange
+    import flashrange.ops  # noqa: F401
+    from flashrange import reference
+    from flashrange.kernels.backward import range_attention_backward_triton
+
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+DEV = "cuda"
+
+
+def _ranges(rows, device=DEV):
+    t = torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+def _docs(T, n_docs, seed, mtype=CAUSAL):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, T), n_docs - 1))
+    b = [0] + cuts + [T]
+    return [(b[i], b[i + 1], b[i], b[i + 1], mtype) for i in range(n_docs)]
+
+
+def _window(T, w):
+    """Causal sliding window of ``w`` keys (own key included) as ranges: two slices per ``w`` rows.
+
+    Rows ``[a, a + w)`` see keys ``[a - w + 1, a + w)`` cut by both diagonals.
+    """
+    rows = [(0, min(w, T), 0, min(w, T), CAUSAL)]
+    a = w
+    while a < T:
+        e = min(a + w, T)
+        # Query i in [a, e) sees keys [i - w + 1, i]: a BI_CAUSAL band of Lk - Lq = w - 1.
+        rows.append((a, e, a - w + 1, e, BI_CAUSAL))
+        a = e
+    return rows
+
+
+def _random_rows(Tq, Tk, n, rng, n_empty, uncovered):
+    top = Tq - uncovered
+    rows = []
+    for s in range(n):
+        kind = rng.random()
+        if kind < 0.15:
+            qs = rng.randrange(top)
+            qe = qs + 1
+        elif kind < 0.3:
+            qs, qe = 0, top
+        else:
+            qs = rng.randrange(top)
+            qe = rng.randint(qs + 1, top)
+        ks = rng.randrange(Tk)
+        ke = rng.randint(ks + 1, Tk) if rng.random() < 0.8 else Tk
+        rows.append((qs, qe, ks, ke, rng.randrange(4)))
+    for _ in range(n_empty):
+        rows.insert(rng.randint(0, len(rows)), (0, 0, 0, 0, FULL))
+    return rows
+
+
+def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse=True):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(Tq, Hq, D, generator=g, device=DEV).to(dtype)
+    k = torch.randn(Tk, Hkv, D, generator=g, device=DEV).to(dtype)
+    v = torch.randn(Tk, Hkv, Dv, generator=g, device=DEV).to(dtype)
+    do = torch.randn(Tq, Hq, Dv, generator=g, device=DEV).to(dtype)
+    dlse = torch.randn(Tq, Hq, generator=g, device=DEV) if with_dlse else torch.zeros(Tq, Hq, device=DEV)
+    return q, k, v, do, dlse
+
+
+def _three_way(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, *, softcap=0.0, seed=0, with_dlse=True, golden=True):
+    """Kernel gradients checked against the reference; returns ``(grads, inputs)``.
+
+    ``golden=False`` (large sizes) uses the reference's float32 math on the
+    low-precision inputs as the golden result and the same budget rule.
+    """
+    q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse)
+    qr, kr, mt = _ranges(rows)
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None, softcap)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse)
+    if golden:
+        f64 = [t.double() for t in (q, k, v)]
+        o64, l64 = reference.range_attention_forward(*f64, qr, kr, mt, None, softcap)
+        gold = reference.range_attention_backward(do.double(), *f64, o64, l64, qr, kr, mt, None, softcap, dlse)
+        ref = reference.range_attention_backward(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse)
+    else:
+        gold = [t.double() for t in reference.range_attention_backward(
+            do.float(), q.float(), k.float(), v.float(), out.float(), lse, qr, kr, mt, None, softcap, dlse)]
+        ref = [t.to(dtype) for t in gold]
+    for name, g, r, x in zip(("dq", "dk", "dv"), gold, ref, got):
+        assert torch.isfinite(x).all(), f"{name}: non-finite values"
+        err = (x.double() - g).abs().max().item()
+        ref_err = (r.double() - g).abs().max().item()
+        floor = torch.finfo(dtype).eps * max(1.0, g.abs().max().item())
+        assert err <= 2 * ref_err + floor, f"{name}: kernel err {err:.3e} > 2 x ref err {ref_err:.3e} + {floor:.2e}"
+    return got, (q, k, v, do, out, lse, dlse, qr, kr, mt)
+
+
+def test_report_forward_in_use():
+    try:
+        from flashrange.kernels.forward import range_attention_forward_triton  # noqa: F401
+
+        which = "Triton forward (flashrange.kernels.forward)"
+    except ImportError:
+        which = "reference forward (the Triton forward is not importable)"
+    print(f"\nCUDA forward in use: {which}")
+    assert which
+
+
+# (name, Tq, Hq, Hkv, D, rows-builder, dtype, softcap, golden)
+REALISTIC = [
+    pytest.param(8192, 4, 4, 128, lambda T: [(0, T, 0, T, FULL)], torch.bfloat16, 0.0, True, id="full-8k-D128-bf16"),
+    pytest.param(32768, 2, 2, 128, lambda T: [(0, T, 0, T, CAUSAL)], torch.bfloat16, 0.0, False,
+                 id="causal-32k-D128-bf16"),
+    pytest.param(32768, 8, 2, 64, lambda T: _docs(T, 16, 1), torch.bfloat16, 0.0, False,
+                 id="doc16-32k-D64-gqa4-bf16"),
+    pytest.param(32768, 4, 1, 128, lambda T: _docs(T, 128, 2), torch.float16, 0.0, False,
+                 id="doc128-32k-D128-mqa4-fp16"),
+    pytest.param(32768, 2, 2, 128, lambda T: _window(T, 2048), torch.bfloat16, 0.0, False,
+                 id="window2048-32k-D128-bf16"),
+    pytest.param(4099, 4, 2, 96, lambda T: _docs(T, 5, 3), torch.bfloat16, 30.0, True,
+                 id="doc5-4099-D96-softcap-bf16"),
+    pytest.param(3001, 2, 1, 192, lambda T: [(0, T, 0, T, CAUSAL), (0, 1000, 500, 3001, FULL)], torch.bfloat16,
+                 0.0, True, id="overlap-3001-D192-bf16"),
+    pytest.param(2053, 2, 2, 256, lambda T: [(0, T, 0, T, BI_CAUSAL), (7, 2000, 0, 1500, INV_CAUSAL)],
+                 torch.float16, 0.0, True, id="bi-inv-2053-D256-fp16"),
+    pytest.param(2049, 3, 3, 32, lambda T: [(0, T, 0, T, CAUSAL)], torch.bfloat16, 0.0, True,
+                 id="causal-2049-D32-bf16"),
+]
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,build,dtype,softcap,golden", REALISTIC)
+def test_realistic_sizes(T, Hq, Hkv, D, build, dtype, softcap, golden):
+    _three_way(T, T, Hq, Hkv, D, D, build(T), dtype, softcap=softcap, seed=T, golden=golden)
+
+
+def test_random_slice_fuzz():
+    """1000 random small problems: all types, overlaps, empties, uncovered rows, GQA, softcap, odd dims."""
+    rng = random.Random(1234)
+    for case in range(1000):
+        Tq = rng.choice([1, 2, 17, 63, 64, 65, rng.randint(1, 300)])
+        Tk = rng.choice([Tq, 1, 33, rng.randint(1, 300)])
+        Hkv = rng.choice([1, 2])
+        Hq = Hkv * rng.choice([1, 2, 4])
+        D = rng.choice([16, 40, 64, 96, 128])
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        softcap = rng.choice([0.0, 0.0, 0.0, 4.0])
+        uncovered = rng.choice([0, 0, min(3, Tq - 1)])
+        rows = _random_rows(Tq, Tk, rng.randint(1, 10), rng, rng.randint(0, 3), uncovered)
+        try:
+            (dq, dk, dv), _ = _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, softcap=softcap, seed=case)
+        except AssertionError as e:
+            raise AssertionError(f"case {case}: Tq={Tq} Tk={Tk} Hq={Hq} Hkv={Hkv} D={D} {dtype} "
+                                 f"softcap={softcap} rows={rows}: {e}") from None
+        if uncovered:
+            assert torch.count_nonzero(dq[Tq - uncovered:]) == 0, f"case {case}"
+
+
+def test_bitwise_rerun_permutation_padding():
+    T = 8191
+    rows = _docs(T, 37, 5) + [(100, 3000, 50, 2900, FULL), (4000, 8191, 4000, 8000, INV_CAUSAL)]
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, *_ ) = _three_way(T, T, 8, 2, 128, 128, rows, torch.bfloat16,
+                                                                  seed=9, golden=False)
+    rng = random.Random(3)
+    shuffled = rows[:]
+    rng.shuffle(shuffled)
+    padded = shuffled[:]
+    for _ in range(23):
+        padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
+    for variant in (rows, rows, shuffled, padded):
+        qr, kr, mt = _ranges(variant)
+        got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)
+        for a, b in zip((dq, dk, dv), got):
+            assert torch.equal(a, b)
+
+
+def _op_args(Tq=97, Tk=83, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
+    rows = [(0, 97, 0, 83, CAUSAL), (10, 40, 5, 60, FULL), (0, 0, 0, 0, FULL), (50, 97, 20, 83, BI_CAUSAL)]
+    q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, D, dtype, 0)
+    qr, kr, mt = _ranges(rows)
+    return q, k, v, do, dlse, qr, kr, mt
+
+
+def test_opcheck_bwd_and_fwd_on_cuda():
+    q, k, v, do, dlse, qr, kr, mt = _op_args()
+    out, lse = torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, 0.125, 0.0)
+    torch.library.opcheck(torch.ops.flashrange.bwd.default, (do, dlse, q, k, v, out, lse, qr, kr, mt, 0.125, 0.0))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (qg, kg, vg, qr, kr, mt, 0.125, 2.0))
+
+
+def _loss(wq, wk, wv, x, qr, kr, mt, Hq, Hkv, D):
+    T = x.shape[0]
+    q = (x @ wq).view(T, Hq, D)
+    k = (x @ wk).view(T, Hkv, D)
+    v = (x @ wv).view(T, Hkv, D)
+    out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+    return out.float().square().mean() + 1e-3 * torch.where(torch.isfinite(lse), lse, 0.0).mean()
+
+
+def _train_step(wq, wk, wv, x, qr, kr, mt, Hq, Hkv, D, loss_fn=_loss):
+    """Forward and backward (through ``flashrange::bwd``): gradients of the projection weights."""
+    return torch.autograd.grad(loss_fn(wq, wk, wv, x, qr, kr, mt, Hq, Hkv, D), (wq, wk, wv))
+
+
+def _train_setup(T=1000, C=256, Hq=4, Hkv=2, D=64, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(T, C, generator=g, device=DEV).bfloat16()
+    ws = [(torch.randn(C, h * D, generator=g, device=DEV) / C ** 0.5).bfloat16().requires_grad_()
+          for h in (Hq, Hkv, Hkv)]
+    return x, ws
+
+
+def _close(a, b):
+    """Same kernels, different launch orders / graphs: equal up to float32 accumulation noise."""
+    return (a.float() - b.float()).abs().max().item() <= 1e-2 * max(1e-6, b.float().abs().max().item())
+
+
+def test_compiled_training_step_fullgraph():
+    x, (wq, wk, wv) = _train_setup()
+    qr, kr, mt = _ranges(_docs(1000, 7, 4) + [(0, 0, 0, 0, FULL)] * 3)
+    eager = _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)
+    compiled_loss = torch.compile(_loss, fullgraph=True)
+    compiled = _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64, loss_fn=compiled_loss)
+    for a, b in zip(compiled, eager):
+        assert _close(a, b)
+    # New slice values, same count: new gradients from the same compiled graphs.
+    qr2, kr2, mt2 = _ranges(_docs(1000, 10, 8))
+    again = _train_step(wq, wk, wv, x, qr2, kr2, mt2, 4, 2, 64, loss_fn=compiled_loss)
+    expected = _train_step(wq, wk, wv, x, qr2, kr2, mt2, 4, 2, 64)
+    for a, b, old in zip(again, expected, eager):
+        assert _close(a, b) and not _close(old, b)
+
+
+def test_cuda_graph_training_step_replays_after_range_update():
+    x, (wq, wk, wv) = _train_setup(seed=1)
+    cap = 12
+    rows_a = _docs(1000, 9, 11) + [(0, 0, 0, 0, FULL)] * 3
+    rows_b = _docs(1000, 12, 12)
+    qr, kr, mt = _ranges(rows_a)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: compile the kernels outside the capture
+            _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grads = _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)
+    for rows in (rows_b, rows_a):
+        assert len(rows) == cap
+        new = _ranges(rows)
+        for dst, src in zip((qr, kr, mt), new):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = _train_step(wq, wk, wv, x, *new, 4, 2, 64)
+        for a, b in zip(static_grads, expected):
+            assert _close(a, b)
+        if rows is rows_b:
+            grads_b = [g.clone() for g in static_grads]
+    # The two masks give different gradients, so the replays did follow the updated ranges.
+    assert not all(_close(a, b) for a, b in zip(grads_b, static_grads))
+
+
+def test_training_step_has_no_host_sync():
+    x, (wq, wk, wv) = _train_setup(seed=2)
+    qr, kr, mt = _ranges(_docs(1000, 6, 13) + [(0, 0, 0, 0, FULL)])
+    _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(g).all() for g in grads)
