@@ -1071,7 +1071,7 @@ def _parser():
     p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--no-plan", action="store_true", help="skip timing build_plan alone")
-    p.add_argument("--out", default="bench_out", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--out", default="out/bench", help="directory for bench.json, bench.md, bench.png (default out/bench)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds; once spent, remaining work is skipped and the report still written (0: none)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch with flashrange")
@@ -1102,6 +1102,8 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("flashrange bench: --device cuda but no CUDA GPU is visible; use --device cpu --tiny")
+    if device.type != "cuda" and not args.tiny:
+        raise SystemExit("flashrange bench: the full-size cases need a CUDA GPU; on the CPU add --tiny (toy sizes)")
     dtype = _DTYPES[args.dtype]
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (5 if args.quick else 15)

@@ -87,6 +87,11 @@ def test_unknown_case_is_reported():
         bench.main(["--tiny", "--device", "cpu", "--cases", "nope"])
 
 
+def test_full_size_on_cpu_is_refused():
+    with pytest.raises(SystemExit, match="need a CUDA GPU.*--tiny"):
+        bench.main(["--device", "cpu", "--cases", "full-8k"])
+
+
 def test_cpu_smoke_run(tmp_path, capsys):
     rc = bench.main(["--tiny", "--device", "cpu", "--warmup", "1", "--reps", "1",
                      "--cases", SMOKE_CASES, "--out", str(tmp_path)])
