@@ -1151,6 +1151,13 @@ def main(argv=None):
 
     stop = None
     try:
+        # The plan first: a few seconds, and never the part a time budget drops.
+        if not args.no_plan:
+            progress.step("build_plan alone")
+            try:
+                data["plan"] = time_plan(device, timer, tiny=args.tiny)
+            except Exception as e:  # noqa: BLE001
+                data["errors"].append(f"plan: {_short_error(e)}")
         for case in cases:
             mask = build_mask(case, device)
             crec = {
@@ -1199,13 +1206,6 @@ def main(argv=None):
             del q, k, v, dout, ref
             _free(device, collect=True)
             _write(data, out_dir, with_plot=False)  # partial results survive a kill
-        if not args.no_plan:
-            progress.step("build_plan alone")
-            if not over_budget():
-                try:
-                    data["plan"] = time_plan(device, timer, tiny=args.tiny)
-                except Exception as e:  # noqa: BLE001
-                    data["errors"].append(f"plan: {_short_error(e)}")
     except KeyboardInterrupt:
         data["interrupted"] = True
         data["errors"].append("interrupted (time limit): later cases missing")
