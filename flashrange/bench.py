@@ -3,7 +3,11 @@
 Contenders, each run only where it can express the mask without a dense
 ``attn_mask`` (otherwise the cell reads ``n/a`` with the reason):
 
-- ``flashrange``: :func:`flashrange.range_attention` (plan + kernels, end to end);
+- ``flashrange``: :func:`flashrange.range_attention` (plan + kernels, end to
+  end). The ranges are validated once on the host; timed calls skip that
+  eager check (a device sync that no peer pays and that compiled or captured
+  calls skip too), and one warm fwd+bwd runs under CUDA sync-debug mode so
+  that any host sync left on the GPU path is reported;
 - ``sdpa-cudnn`` / ``sdpa-flash``: ``scaled_dot_product_attention`` pinned to
   one backend with ``sdpa_kernel``; full and causal masks only (SDPA's
   ``is_causal`` is top-left aligned, which equals flashrange's bottom-right
@@ -25,6 +29,9 @@ fixed upstream gradient; ``fwd+bwd`` times both. TFLOP/s are counted on the
 mask's real area: ``2 * area * Hq * (D + Dv)`` forward (``4 * area * D * Hq``
 when ``Dv == D``), 2.5x that backward, 3.5x fwd+bwd. Ratios are
 ``peer ms / flashrange ms`` (above 1: flashrange is faster).
+
+``build_plan`` alone (4096 slices over 128k tokens) is timed first, as wall
+time per back-to-back call, eager and as a CUDA-graph replay.
 
 Every peer's output (and gradients) is compared with flashrange's on the same
 inputs; a difference beyond the dtype's tolerance is reported loudly and makes
