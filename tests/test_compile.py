@@ -273,18 +273,19 @@ def test_bucketed_slice_count_compiles_once_per_capacity():
     assert _graph_breaks() == 0
 
 
-def test_dynamic_unpadded_no_recompile():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dynamic_unpadded_no_recompile(backend):
     counts = _doc_counts(300)
     assert 1 in counts and counts[0] != 1 and len(set(counts)) > 20
     rng = random.Random(301)
     masks = [_random_doc_mask(rng, T_TRAIN, n) for n in counts]
     model = Block(_attn_range)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     # Dynamo specializes sizes 0 and 1, so a single-slice mask gets its own
     # graph; every other slice count runs in the first dynamic graph.
     graphs_after = []
-    _train(compiled, model, lambda step: masks[step], "aot_eager",
+    _train(compiled, model, lambda step: masks[step], backend,
            on_step=lambda step, mask: graphs_after.append(_op_graphs(counter)))
     first_single = counts.index(1)
     assert graphs_after == [1 + int(i >= first_single) for i in range(STEPS)]
