@@ -111,3 +111,29 @@ def test_fwd_matches_reference_and_grad_flows():
         torch.where(finite, dlse, torch.zeros_like(dlse)),
     )
     assert torch.equal(q.grad, ref_dq) and torch.equal(k.grad, ref_dk) and torch.equal(v.grad, ref_dv)
+
+
+def test_opcheck_fwd_garbage_ranges():
+    """Out-of-bounds ranges, start > end and unknown types: the op clamps / ignores them (compiled calls
+    cannot validate on the host), and every opcheck test still passes."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(13, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(19, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(19, 2, 8, generator=g, requires_grad=True)
+    q_ranges = torch.tensor([[-5, 6], [4, 40], [9, 3], [0, 13], [2, 11]], dtype=torch.int32)
+    k_ranges = torch.tensor([[0, 7], [-3, 25], [0, 19], [10, 99], [1, 18]], dtype=torch.int32)
+    mask_types = torch.tensor([1, 2, 0, 3, 7], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.flashrange.fwd.default, (q, k, v, q_ranges, k_ranges, mask_types, 0.35, 0.0), test_utils=ALL_TESTS
+    )
+    out, lse = torch.ops.flashrange.fwd(q, k, v, q_ranges, k_ranges, mask_types, 0.35, 0.0)
+    # Same as the ranges clamped to [0, Tq] / [0, Tk] with the empty and unknown-type slices dropped.
+    clamped = torch.ops.flashrange.fwd(
+        q, k, v,
+        torch.tensor([[0, 6], [4, 13], [0, 13]], dtype=torch.int32),
+        torch.tensor([[0, 7], [0, 19], [10, 19]], dtype=torch.int32),
+        torch.tensor([1, 2, 3], dtype=torch.int32),
+        0.35, 0.0,
+    )
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, clamped[0]) and torch.equal(lse, clamped[1])
