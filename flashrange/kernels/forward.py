@@ -23,6 +23,7 @@ installed Triton has them and the interpreter is off.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -311,15 +312,24 @@ FWD_CONFIGS = [
 ]
 _BY_NAME = {c.name: c for c in FWD_CONFIGS}
 
-# Defaults per padded head dim, for 2-byte dtypes on a GPU (measured on an H200).
+# Defaults per padded head dim, for 2-byte dtypes on a GPU, from a sweep of every
+# config on an H200 (Triton 3.6; scripts/fwd_timing.py --sweep): the best single
+# choice over full, causal, document-causal and sliding-window masks.
 _DEFAULTS = {
     16: "ptr_m128_n64_w4_s3",
     32: "ptr_m128_n64_w4_s3",
-    64: "ptr_m128_n64_w4_s3",
-    128: "ptr_m128_n64_w8_s3",
-    256: "ptr_m64_n32_w4_s2",
+    64: "tma_m128_n64_w4_s3",
+    128: "tma_m128_n64_w4_s2",
+    256: "ptr_m128_n64_w8_s2",
 }
-_SMEM_LIMIT = 220 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_index: int) -> int:
+    """Shared memory a program may take, less a margin for Triton's own scratch."""
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
+    return optin - 8 * 1024
 
 
 def _interpreting() -> bool:
@@ -369,7 +379,7 @@ def configs_for(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_ty
             if es == 4 and (c.use_tma or c.BLOCK_M * c.BLOCK_N > 64 * 64):
                 continue
             smem = (c.BLOCK_M * bd + max(c.num_stages, 1) * c.BLOCK_N * (bd + bdv)) * es
-            if smem > _SMEM_LIMIT:
+            if torch.cuda.is_available() and smem > _smem_limit(torch.cuda.current_device()):
                 continue
             # Registers: the accumulator and the score tile per thread.
             regs = (c.BLOCK_M * bdv + c.BLOCK_M * c.BLOCK_N) // (32 * c.num_warps)
