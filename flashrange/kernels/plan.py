@@ -132,6 +132,7 @@ def _slice_cells_in(x0, x1, ms, lmaj, lmin, mt, IS_TRANSPOSED: tl.constexpr):
 def _block_windows_kernel(
     slices_ptr, lo_ptr, hi_ptr, work_ptr, S, T, n_blocks,
     IS_TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_T2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -163,8 +164,8 @@ def _block_windows_kernel(
     b0w = b0.to(tl.int64)
     b1w = b1.to(tl.int64)
     work = tl.zeros([BLOCK_B], dtype=tl.int64)
-    for t0 in range(t_lo, t_hi, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
+    for t0 in range(t_lo, t_hi, BLOCK_T2):
+        offs_t = t0 + tl.arange(0, BLOCK_T2)
         mask_t = offs_t < t_hi
         qs = tl.load(slices_ptr + offs_t * 5 + 0, mask=mask_t, other=0).to(tl.int64)
         qe = tl.load(slices_ptr + offs_t * 5 + 1, mask=mask_t, other=0).to(tl.int64)
@@ -217,14 +218,19 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpos
     hi = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     work = torch.empty(n_blocks, dtype=torch.int64, device=dev)
     order = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    BLOCK_S, BLOCK_T, BLOCK_B = 32, 128, 16
+    # Small program tiles and long inner tiles: each loop iteration waits on loads from
+    # L2, so many resident programs and few iterations keep these launches short
+    # (measured on an H200: 4096 slices over 128k tokens).
+    BLOCK_S, BLOCK_T, BLOCK_B = 8, 512, 16
     if S > 0:
         _rank_slices_kernel[(triton.cdiv(S, BLOCK_S),)](
             qr, kr, mt, slices, S, Tq, Tk, IS_TRANSPOSED=transpose, BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T
         )
-    # Eight blocks a program: enough programs to fill the GPU at long contexts.
-    _block_windows_kernel[(triton.cdiv(n_blocks, 8),)](
-        slices, lo, hi, work, S, T, n_blocks, IS_TRANSPOSED=transpose, BLOCK=block, BLOCK_B=8, BLOCK_T=128
+    # Four blocks a program: enough programs to fill the GPU at long contexts; the int64
+    # cell counts take narrower tiles (registers).
+    _block_windows_kernel[(triton.cdiv(n_blocks, 4),)](
+        slices, lo, hi, work, S, T, n_blocks, IS_TRANSPOSED=transpose, BLOCK=block, BLOCK_B=4, BLOCK_T=512,
+        BLOCK_T2=128,
     )
-    _order_blocks_kernel[(triton.cdiv(n_blocks, BLOCK_B),)](work, order, n_blocks, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T)
+    _order_blocks_kernel[(triton.cdiv(n_blocks, BLOCK_B),)](work, order, n_blocks, BLOCK_B=BLOCK_B, BLOCK_T=128)
     return RangePlan(slices, lo, hi, order)
