@@ -107,7 +107,13 @@ def _bwd_cuda(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, sof
 
 @bwd.register_fake
 def _bwd_fake(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous like the real kernels' results: empty_like would keep the
+    # strides of a permuted (dense) q and mislead the compiled graph's layout.
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
 
 
 def _setup_context(ctx, inputs, output):

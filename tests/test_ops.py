@@ -137,3 +137,31 @@ def test_opcheck_fwd_garbage_ranges():
     )
     assert torch.isfinite(out).all()
     assert torch.equal(out, clamped[0]) and torch.equal(lse, clamped[1])
+
+
+def _layout(t, layout):
+    """The same values as ``t`` `(T, H, D)` in another memory layout."""
+    if layout == "head-major":  # dense but permuted strides, e.g. from a (H, T, D) transpose
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "gapped":  # a slice of a wider tensor, e.g. q out of a fused qkv projection
+        wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 5, dtype=t.dtype)
+        wide[..., 2 : 2 + t.shape[2]] = t
+        return wide[..., 2 : 2 + t.shape[2]]
+    return t
+
+
+@pytest.mark.parametrize("layout", ["head-major", "gapped"])
+def test_opcheck_non_contiguous_inputs(layout):
+    """Fake and real results agree on strides (contiguous outputs) whatever the input layout."""
+    q, k, v, qr, kr, mt = _inputs(21, 27, 4, 2, 8, 8, 5, 2, 77, False)
+    q, k, v = (_layout(t, layout) for t in (q, k, v))
+    assert not q.is_contiguous()
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (qg, kg, vg, qr, kr, mt, 0.3, 0.0), test_utils=ALL_TESTS)
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, 0.3, 0.0)
+    g = torch.Generator().manual_seed(8)
+    dout = _layout(torch.randn(out.shape, generator=g), layout)
+    dlse = torch.randn(lse.shape, generator=g)
+    torch.library.opcheck(
+        torch.ops.flashrange.bwd.default, (dout, dlse, q, k, v, out, lse, qr, kr, mt, 0.3, 0.0), test_utils=ALL_TESTS
+    )
