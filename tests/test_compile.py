@@ -141,9 +141,10 @@ def _random_doc_mask(rng, T, n_docs):
 T_FG = 39  # 3 sequences of 13 for the (B, S, H, D) front-end
 
 
-def _mask_args_range(seed):
+def _mask_args_range(seed, T=T_FG, n_docs=5, capacity=8):
     rng = random.Random(seed)
-    return _random_doc_mask(rng, T_FG, 5).pad_to(8).tensors()
+    mask = _random_doc_mask(rng, T, n_docs)
+    return (mask if capacity is None else mask.pad_to(capacity)).tensors()
 
 
 def _attn_flex(q, k, v, q_ranges, k_ranges, attn_type_map):
@@ -166,14 +167,14 @@ def _attn_varlen(q, k, v, cu_seqlens):
     return out, lse.transpose(0, 1)
 
 
-def _mask_args_none(seed):
+def _mask_args_none(seed, T=T_FG, n_docs=None, capacity=None):
     return ()
 
 
-def _mask_args_cu_seqlens(seed):
+def _mask_args_cu_seqlens(seed, T=T_FG, n_docs=5, capacity=None):
     rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, T_FG), 4))
-    return (torch.tensor([0, *cuts, T_FG], dtype=torch.int32),)
+    cuts = sorted(rng.sample(range(1, T), n_docs - 1))
+    return (torch.tensor([0, *cuts, T], dtype=torch.int32),)
 
 
 FRONTENDS = {
@@ -204,6 +205,28 @@ def test_fullgraph_matches_eager(frontend, backend):
     assert counter.frame_count == 1
     assert _graph_breaks() == 0
     assert _fwd_in_graph(counter)
+
+
+@pytest.mark.parametrize("frontend", list(FRONTENDS))
+def test_dynamic_frontend_one_graph(frontend):
+    """``dynamic=True``: new token counts and slice counts reuse the first graph, results equal eager."""
+    attn, make_args = FRONTENDS[frontend]
+    model = Block(attn)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(2)
+    # Multiples of 3 for the (3, S, H, D) front-end; at least 2 slices (dynamo specializes 0 and 1).
+    for seed, (T, n_docs) in enumerate([(39, 3), (45, 6), (51, 11)]):
+        x = torch.randn(T, DIM, generator=g, requires_grad=True)
+        wy, wl = torch.randn(T, DIM, generator=g), torch.randn(T, HQ, generator=g)
+        mask_args = make_args(seed, T=T, n_docs=n_docs, capacity=None)
+        got = _step(compiled, params, x, mask_args, wy, wl)
+        want = _step(model, params, x, mask_args, wy, wl)
+        _assert_same(got, want, exact=True)
+    assert _op_graphs(counter) == 1
+    assert _cache_entries(Block.forward) == 1
+    assert _graph_breaks() == 0
 
 
 # ------------------------------------------------------------- slice count varies every step
