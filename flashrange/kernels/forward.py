@@ -336,14 +336,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
 def _has_tma() -> bool:
-    if _interpreting() or not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
+    # Callers rule out the interpreter themselves (this answer is cached).
+    if not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
         return False
     if not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability()[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
 def _has_warp_spec() -> bool:
     import inspect
 
@@ -359,11 +362,17 @@ def _pad_dim(d: int) -> int:
 
 def configs_for(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda"):
     """The configurations of :data:`FWD_CONFIGS` that can run this problem here."""
+    dev = torch.cuda.current_device() if device_type == "cuda" and torch.cuda.is_available() else -1
+    return list(_configs_for(head_dim, head_dim_v, dtype, device_type, _interpreting(), dev))
+
+
+@functools.lru_cache(maxsize=None)
+def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index):
     bd, bdv = _pad_dim(head_dim), _pad_dim(head_dim_v)
-    es = torch.empty((), dtype=dtype).element_size()
+    es = dtype.itemsize
     out = []
     for c in FWD_CONFIGS:
-        if device_type != "cuda" or _interpreting():
+        if device_type != "cuda" or interpreting:
             if c.use_tma or c.warp_spec:
                 continue
         else:
@@ -379,28 +388,36 @@ def configs_for(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_ty
             if es == 4 and (c.use_tma or c.BLOCK_M * c.BLOCK_N > 64 * 64):
                 continue
             smem = (c.BLOCK_M * bd + max(c.num_stages, 1) * c.BLOCK_N * (bd + bdv)) * es
-            if torch.cuda.is_available() and smem > _smem_limit(torch.cuda.current_device()):
+            if device_index >= 0 and smem > _smem_limit(device_index):
                 continue
             # Registers: the accumulator and the score tile per thread.
             regs = (c.BLOCK_M * bdv + c.BLOCK_M * c.BLOCK_N) // (32 * c.num_warps)
             if regs > 256:
                 continue
         out.append(c)
-    return out
+    return tuple(out)
 
 
 def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda") -> FwdConfig:
-    """A fixed choice per head dim and dtype: deterministic results, plan block known up front."""
-    allowed = configs_for(head_dim, head_dim_v, dtype, device_type=device_type)
-    if device_type != "cuda" or _interpreting():
+    """A fixed choice per head dim and dtype: deterministic results, plan block known up front.
+
+    Cached: the launcher asks on every call, and the host time counts for short kernels.
+    """
+    dev = torch.cuda.current_device() if device_type == "cuda" and torch.cuda.is_available() else -1
+    return _default_config(head_dim, head_dim_v, dtype, device_type, _interpreting(), dev)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index):
+    if device_type != "cuda" or interpreting:
         return _BY_NAME["cpu_m64_n64"]
-    es = torch.empty((), dtype=dtype).element_size()
-    if es == 4:
+    allowed = _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index)
+    if dtype.itemsize == 4:
         name = "ptr_m64_n32_w4_s2"
     else:
         name = _DEFAULTS[min(k for k in _DEFAULTS if k >= _pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
-    if cfg not in allowed:  # e.g. no TMA on this build: fall back to the pointer path
+    if cfg not in allowed:  # e.g. no TMA on this build or chip: fall back to the pointer path
         cfg = next(c for c in allowed if not c.use_tma)
     return cfg
 
@@ -447,11 +464,15 @@ def range_attention_forward_triton(
     if Tk == 0 or q_ranges.shape[0] == 0:
         return out.zero_(), lse.fill_(float("-inf"))
 
+    interpreting = _interpreting()
     if config is None:
-        config = default_config(D, Dv, q.dtype, device_type=q.device.type)
+        dev_index = q.device.index if q.device.type == "cuda" else -1
+        if dev_index is None:
+            dev_index = torch.cuda.current_device()
+        config = _default_config(D, Dv, q.dtype, q.device.type, interpreting, dev_index)
     elif isinstance(config, str):
         config = _BY_NAME[config]
-    use_tma = config.use_tma and q.device.type == "cuda" and not _interpreting()
+    use_tma = config.use_tma and q.device.type == "cuda" and not interpreting
     if use_tma:
         _ensure_allocator()
 
@@ -480,7 +501,7 @@ def range_attention_forward_triton(
         BLOCK_D=_pad_dim(D), BLOCK_DV=_pad_dim(Dv),
         HAS_SOFTCAP=softcap > 0, FOLD_SCALE=softcap <= 0 and scale > 0, USE_TMA=use_tma, WARP_SPEC=config.warp_spec and use_tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FIX_BF16=_interpreting() and q.dtype == torch.bfloat16,
+        FIX_BF16=interpreting and q.dtype == torch.bfloat16,
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
         IDX64=max(Tk * k.stride(0), Tk * v.stride(0)) >= 2**31,
         num_warps=config.num_warps, num_stages=config.num_stages,
