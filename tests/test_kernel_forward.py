@@ -255,3 +255,22 @@ def test_interpreter_configs():
             continue
         out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25, config=cfg)
         check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
+
+
+def test_strided_views():
+    """q, k, v as views into one packed tensor (head-dim stride 1, odd offsets): same answer."""
+    from flashrange.kernels.forward import _tma_aligned
+
+    Tq, H, D = 63, 2, 16
+    g = torch.Generator().manual_seed(61)
+    packed = torch.randn(Tq, 3 * H * D + 1, generator=g).to(DEV, torch.float16)
+    # One element in: views whose base is 2 bytes off a 16-byte boundary.
+    q = packed[:, 1 : 1 + H * D].view(Tq, H, D)
+    k = packed[:, 1 + H * D : 1 + 2 * H * D].view(Tq, H, D)
+    v = packed[:, 1 + 2 * H * D : 1 + 3 * H * D].view(Tq, H, D)
+    assert not _tma_aligned(q) and _tma_aligned(torch.empty(4, H, D, dtype=torch.float16, device=DEV))
+    qr, kr, mt = random_slices(Tq, Tq, 4, seed=62)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    want = run_kernel(q.contiguous(), k.contiguous(), v.contiguous(), qr, kr, mt, 0.25)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
