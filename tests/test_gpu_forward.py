@@ -270,3 +270,17 @@ def test_plan_triton_equals_torch_on_cuda():
                 b = build_plan(qr, kr, mt, Tq, Tk, block, transpose=transpose, backend="triton")
                 for name, x, y in zip(a._fields, a, b):
                     assert torch.equal(x, y), (Tq, Tk, S, transpose, block, name)
+
+
+def test_packed_and_misaligned_views():
+    """Views into a packed qkv tensor: aligned ones may take TMA, a 2-byte offset falls back to pointers."""
+    T, H, D = 1031, 4, 64
+    g = torch.Generator(device=DEV).manual_seed(71)
+    for off in (0, 1):
+        packed = torch.randn(T, 3 * H * D + 8, generator=g, device=DEV).to(torch.bfloat16)
+        q, k, v = (packed[:, off + i * H * D: off + (i + 1) * H * D].view(T, H, D) for i in range(3))
+        qr, kr, mt = random_slices(T, T, 12, seed=72 + off)
+        out, lse = _run(q, k, v, qr, kr, mt, 0.125)
+        want = _run(q.contiguous(), k.contiguous(), v.contiguous(), qr, kr, mt, 0.125)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        check_three_way(q, k, v, qr, kr, mt, 0.125, 0.0, out, lse)
