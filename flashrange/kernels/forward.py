@@ -153,7 +153,7 @@ def _tile_step(
 def _range_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
-    Tq, Tk,
+    Tq, Tk, Hq,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt,
     qk_scale, cap_in, cap_out, GROUP,
@@ -162,13 +162,19 @@ def _range_attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
 ):
-    """Grid ``(n_blocks, Hq)``: axis 0 walks ``block_order`` (heaviest block first) within a head.
+    """1-D grid of ``n_blocks * Hq`` programs, ranked heaviest first over all heads.
+
+    Program ``pid`` takes block ``block_order[pid // Hq]`` of head ``pid % Hq``:
+    the hardware starts programs in ``pid`` order, so every head's heavy
+    blocks start before any light one (longest-processing-time order), and
+    the query heads that share a key/value head run side by side (L2 reuse).
 
     ``slices`` ``(S, 5)`` int32 rows ``(qs, qe, ks, ke, type)``, already clamped;
     ``block_lo/hi`` give each query block's window into them.
     """
-    pid_rank = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    pid = tl.program_id(0)
+    pid_rank = pid // Hq
+    pid_h = pid % Hq
     pid_kvh = pid_h // GROUP
     pid_b = tl.load(block_order_ptr + pid_rank)
     r0 = pid_b * BLOCK_M
@@ -516,11 +522,11 @@ def _launch(q, k, v, out, lse, q_ranges, k_ranges, mask_types, scale, softcap, c
         cap_in, cap_out = 2.0 * _LOG2E * scale / softcap, softcap * _LOG2E
     else:
         cap_in, cap_out = 0.0, 0.0
-    grid = (n_blocks, Hq)
+    grid = (n_blocks * Hq,)
     _range_attn_fwd_kernel[grid](
         q, k, v, out, lse,
         plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
-        Tq, Tk,
+        Tq, Tk, Hq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         scale * _LOG2E, cap_in, cap_out,
