@@ -204,9 +204,8 @@ def _to(batch, device):
 
 def _loss(per_doc, targets):
     total = sum(len(t) for t in targets)
-    return sum(
-        torch.nn.functional.cross_entropy(lg.float(), t.to(lg.device), reduction="sum") for lg, t in zip(per_doc, targets)
-    ) / total
+    ce = torch.nn.functional.cross_entropy
+    return sum(ce(lg.float(), t.to(lg.device), reduction="sum") for lg, t in zip(per_doc, targets)) / total
 
 
 def _run_batch(model, impl, device, dtype, batch, spans, targets, causal_lm=True):
