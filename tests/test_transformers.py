@@ -404,9 +404,13 @@ def test_compiled_training_step_has_no_graph_break(kind, device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", [CPU, GPU_PARAMS[0]])
-def test_generate_left_padded_with_sliding_cache(device, dtype):
-    """Greedy decoding through a dynamic cache whose sliding layers drop old keys (kv_offset > 0)."""
-    model, ref_impl = _model("mistral")
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_generate_left_padded_with_sliding_cache(kind, device, dtype):
+    """Greedy decoding through a dynamic cache whose sliding layers drop old keys (kv_offset > 0).
+
+    Mistral: every layer slides; Qwen2: a global layer and a sliding one.
+    """
+    model, ref_impl = _model(kind)
     docs, _ = _docs([9, 6], seed=7)
     batch, _, _ = _padded(docs, ["left", "left"])
     runs = {}

@@ -59,14 +59,14 @@ try:
     from transformers import AttentionInterface
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "flashrange.integrations.transformers needs Hugging Face transformers (>= 4.56): "
+        "flashrange.integrations.transformers needs Hugging Face transformers (>= 4.57): "
         "pip install 'flashrange[transformers]'"
     ) from e
 
 from .. import ops
 from ..interface import _values_checkable, check_inputs, check_range_values, resolve_scale
 from ..mask import window_slices
-from ..reference import CAUSAL, FULL
+from ..reference import CAUSAL
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
