@@ -69,9 +69,9 @@ CASES = [
 ]
 
 SWEEP = [
-    bwd.BwdConfig(32, 128, 8, 3, 128, 32, 8, 3),
-    bwd.BwdConfig(32, 128, 4, 3, 64, 64, 4, 3),
-    bwd.BwdConfig(64, 64, 4, 3, 128, 128, 8, 2),
+    bwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3),
+    bwd.BwdConfig(64, 128, 8, 2, 128, 32, 8, 3),
+    bwd.BwdConfig(32, 64, 8, 2, 64, 64, 4, 2),
 ]
 
 

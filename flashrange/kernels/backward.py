@@ -91,7 +91,7 @@ def _bwd_preprocess(
 def _dkdv_tiles(
     dk, dv, k, v,
     Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
-    first_m, n_tiles, m_lo, m_hi,
+    first_m, n_first, second_m, n_tiles, m_lo, m_hi,
     offs_n, offs_d, offs_dv,
     stride_qt, stride_dot,
     qs, qe, ks, ke, mtype,
@@ -100,14 +100,21 @@ def _dkdv_tiles(
     PAD_D: tl.constexpr, PAD_DV: tl.constexpr, ROW64: tl.constexpr,
     DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Accumulate ``n_tiles`` query tiles starting at row ``first_m`` into one key block.
+    """Accumulate ``n_tiles`` query tiles into one key block.
 
-    Masked tiles load only rows in ``[m_lo, m_hi)`` and apply the slice's
-    element mask; unmasked tiles lie entirely inside the slice.
+    Tile ``t`` starts at row ``first_m + t * BLOCK_M`` for ``t < n_first``,
+    then the tiles continue from ``second_m`` (two runs in one loop: the
+    masked tiles before and after the slice's fully covered rows). Masked
+    tiles load only rows in ``[m_lo, m_hi)`` and apply the slice's element
+    mask; unmasked tiles lie entirely inside the slice.
     """
     has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+    # Diagonal bounds of key - row; a side the type does not cut is unbounded.
+    d_hi = tl.where(has_upper, d_max, 1 << 30)
+    d_lo = tl.where(has_lower, d_min, -(1 << 30))
     for t in range(0, n_tiles):
-        offs_m = first_m + t * BLOCK_M + tl.arange(0, BLOCK_M)
+        start = tl.where(t < n_first, first_m + t * BLOCK_M, second_m + (t - n_first) * BLOCK_M)
+        offs_m = start + tl.arange(0, BLOCK_M)
         rows = offs_m
         if ROW64:
             rows = offs_m.to(tl.int64)
@@ -132,10 +139,10 @@ def _dkdv_tiles(
         else:
             pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
         if IS_MASKED:
-            i = offs_m[None, :]
-            j = offs_n[:, None]
-            cell = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
-            cell = cell & ((~has_upper) | (j - i <= d_max)) & ((~has_lower) | (j - i >= d_min))
+            # Rows outside [m_lo, m_hi) (inside the slice's rows) already have
+            # p = 0 through lse = +inf; keys and diagonals remain.
+            diag = offs_n[:, None] - offs_m[None, :]
+            cell = ((offs_n >= ks) & (offs_n < ke))[:, None] & (diag <= d_hi) & (diag >= d_lo)
             pT = tl.where(cell, pT, 0.0)
             do = tl.load(do_ptrs, mask=mask_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
             delta = tl.load(DELTA_h + offs_m, mask=mask_m, other=0.0)
@@ -173,7 +180,7 @@ def _bwd_dkdv_kernel(
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     scale, softcap,
     IS_SOFTCAP: tl.constexpr, ROW64: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Heaviest key blocks first; all heads of one block are neighbours in the grid.
@@ -182,8 +189,6 @@ def _bwd_dkdv_kernel(
     pid_n = tl.load(BLOCK_ORDER + pid // Hkv)
     c0 = pid_n * BLOCK_N
     c1 = tl.minimum(c0 + BLOCK_N, Tk)
-    PAD_D: tl.constexpr = BLOCK_D != D
-    PAD_DV: tl.constexpr = BLOCK_DV != DV
     offs_n = c0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -203,7 +208,11 @@ def _bwd_dkdv_kernel(
 
     s_lo = tl.load(BLOCK_LO + pid_n)
     s_hi = tl.load(BLOCK_HI + pid_n)
-    for s in range(s_lo, s_hi):
+    # One loop over (slice, query head of the group): a shallower loop nest
+    # keeps fewer values live around the tile loops (registers).
+    for sg in range(s_lo * G, s_hi * G):
+        s = sg // G
+        g = sg - s * G
         qs = tl.load(SLICES + s * 5)
         qe = tl.load(SLICES + s * 5 + 1)
         ks = tl.load(SLICES + s * 5 + 2)
@@ -223,34 +232,26 @@ def _bwd_dkdv_kernel(
         n_pre = tl.cdiv(f_lo - m_lo, BLOCK_M)
         post = f_lo + n_full * BLOCK_M
         n_post = tl.cdiv(m_hi - post, BLOCK_M)
-        for g in range(0, G):
-            h = (pid_hk * G + g).to(tl.int64)
-            Q_h = Q + h * stride_qh
-            DO_h = DO + h * stride_doh
-            LSE2_h = LSE2 + h * Tq
-            DELTA_h = DELTA + h * Tq
-            DQA_h = DQA + h * stride_qh
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
-                f_lo - n_pre * BLOCK_M, n_pre, m_lo, m_hi,
-                offs_n, offs_d, offs_dv, stride_qt, stride_dot,
-                qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-                True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
-            )
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
-                f_lo, n_full, m_lo, m_hi,
-                offs_n, offs_d, offs_dv, stride_qt, stride_dot,
-                qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-                False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
-            )
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
-                post, n_post, m_lo, m_hi,
-                offs_n, offs_d, offs_dv, stride_qt, stride_dot,
-                qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-                True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
-            )
+        h = (pid_hk * G + g).to(tl.int64)
+        Q_h = Q + h * stride_qh
+        DO_h = DO + h * stride_doh
+        LSE2_h = LSE2 + h * Tq
+        DELTA_h = DELTA + h * Tq
+        DQA_h = DQA + h * stride_qh
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
+            f_lo, n_full, f_lo, n_full, m_lo, m_hi,
+            offs_n, offs_d, offs_dv, stride_qt, stride_dot,
+            qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
+            False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
+        )
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
+            f_lo - n_pre * BLOCK_M, n_pre, post, n_pre + n_post, m_lo, m_hi,
+            offs_n, offs_d, offs_dv, stride_qt, stride_dot,
+            qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
+            True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
+        )
 
     dk = dk * scale
     tl.store(DK + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
@@ -263,7 +264,7 @@ def _bwd_dkdv_kernel(
 def _dq_tiles(
     dq, q, do, lse2, delta,
     K_h, V_h,
-    first_n, n_tiles, n_lo, n_hi,
+    first_n, n_first, second_n, n_tiles, n_lo, n_hi,
     offs_m, offs_d, offs_dv,
     stride_kt, stride_vt,
     qs, qe, ks, ke, mtype,
@@ -272,10 +273,13 @@ def _dq_tiles(
     PAD_D: tl.constexpr, PAD_DV: tl.constexpr, ROW64: tl.constexpr,
     DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Accumulate ``n_tiles`` key tiles starting at key ``first_n`` into one query block."""
+    """Accumulate ``n_tiles`` key tiles into one query block (two runs, as :func:`_dkdv_tiles`)."""
     has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+    d_hi = tl.where(has_upper, d_max, 1 << 30)
+    d_lo = tl.where(has_lower, d_min, -(1 << 30))
     for t in range(0, n_tiles):
-        offs_n = first_n + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        start = tl.where(t < n_first, first_n + t * BLOCK_N, second_n + (t - n_first) * BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
         cols = offs_n
         if ROW64:
             cols = offs_n.to(tl.int64)
@@ -304,10 +308,10 @@ def _dq_tiles(
         else:
             p = tl.exp2(qk * qk_scale2 - lse2[:, None])
         if IS_MASKED:
-            i = offs_m[:, None]
-            j = offs_n[None, :]
-            cell = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
-            cell = cell & ((~has_upper) | (j - i <= d_max)) & ((~has_lower) | (j - i >= d_min))
+            # Keys outside [n_lo, n_hi) were loaded as zeros: mask them with the rows and diagonals.
+            diag = offs_n[None, :] - offs_m[:, None]
+            cell = (((offs_m >= qs) & (offs_m < qe))[:, None] & ((offs_n >= n_lo) & (offs_n < n_hi))[None, :]
+                    & (diag <= d_hi) & (diag >= d_lo))
             p = tl.where(cell, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -326,6 +330,7 @@ def _bwd_dq_kernel(
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     scale, softcap,
     IS_SOFTCAP: tl.constexpr, ROW64: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
+    PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -333,8 +338,6 @@ def _bwd_dq_kernel(
     pid_m = tl.load(BLOCK_ORDER + pid // Hq)
     r0 = pid_m * BLOCK_M
     r1 = tl.minimum(r0 + BLOCK_M, Tq)
-    PAD_D: tl.constexpr = BLOCK_D != D
-    PAD_DV: tl.constexpr = BLOCK_DV != DV
     offs_m = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -381,21 +384,14 @@ def _bwd_dq_kernel(
         n_post = tl.cdiv(n_hi - post, BLOCK_N)
         dq = _dq_tiles(
             dq, q, do, lse2, delta, K_h, V_h,
-            f_lo - n_pre * BLOCK_N, n_pre, n_lo, n_hi,
-            offs_m, offs_d, offs_dv, stride_kt, stride_vt,
-            qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_N,
-        )
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, K_h, V_h,
-            f_lo, n_full, n_lo, n_hi,
+            f_lo, n_full, f_lo, n_full, n_lo, n_hi,
             offs_m, offs_d, offs_dv, stride_kt, stride_vt,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
             False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_N,
         )
         dq = _dq_tiles(
             dq, q, do, lse2, delta, K_h, V_h,
-            post, n_post, n_lo, n_hi,
+            f_lo - n_pre * BLOCK_N, n_pre, post, n_pre + n_post, n_lo, n_hi,
             offs_m, offs_d, offs_dv, stride_kt, stride_vt,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
             True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_N,
@@ -440,13 +436,15 @@ def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) ->
         # several tiles, masked and unmasked.
         return BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
     d = max(D, Dv)
+    # Offline sm_90 builds (ptxas, Triton 3.9) of these shapes use at most 255
+    # registers without spilling for d <= 128; d = 256 spills a little.
     if dtype == torch.float32:
         return BwdConfig(32, 64, 4, 2, 64, 32, 4, 2) if d <= 128 else BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
     if d <= 64:
-        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
+        return BwdConfig(64, 128, 8, 2, 128, 64, 8, 2)
     if d <= 128:
-        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
-    return BwdConfig(32, 64, 8, 2, 64, 32, 8, 2)
+        return BwdConfig(32, 128, 8, 2, 128, 64, 8, 2)
+    return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
 def _interpreting() -> bool:
@@ -571,6 +569,7 @@ def _launch_dkdv(st, atomic_dq=False):
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         st.scale, st.softcap if is_softcap else 1.0,
         IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16, ATOMIC_DQ=atomic_dq,
+        PAD_D=_block_dim(D) != D, PAD_DV=_block_dim(Dv) != Dv,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
     )
@@ -591,6 +590,7 @@ def _launch_dq(st):
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         st.scale, st.softcap if is_softcap else 1.0,
         IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16,
+        PAD_D=_block_dim(D) != D, PAD_DV=_block_dim(Dv) != Dv,
         BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         num_warps=cfg.q_warps, num_stages=cfg.q_stages,
     )
