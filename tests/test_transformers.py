@@ -339,10 +339,36 @@ def test_comparison_has_teeth(kind, tamper):
 # --------------------------------------------------------------------------- compile
 
 
+def _compile_batches(layout):
+    """Batches of one shape whose documents differ: ``(docs, positions, input_ids, aux, labels)``.
+
+    ``aux`` is ``position_ids`` (packed) or ``attention_mask`` (padded).
+    Labels never ask a token to predict the first token of a document (as
+    DataCollatorWithFlattening does), so every loss term is within a document.
+    """
+    if layout == "position_ids":
+        for i, lengths in enumerate([[7, 1, 12, 5], [3, 9, 4, 6, 3], [25]]):
+            docs, _ = _docs(lengths, seed=10 + i)
+            batch, spans, positions = _packed(docs, "position_ids")
+            yield docs, positions, batch["input_ids"], batch["position_ids"], spans
+    else:
+        for i, (lengths, sides) in enumerate([([13, 6, 10], ["right", "left", "right"]), ([4, 13, 9], ["left"] * 3)]):
+            docs, _ = _docs(lengths, seed=20 + i)
+            batch, spans, positions = _padded(docs, sides)
+            yield docs, positions, batch["input_ids"], batch["attention_mask"], spans
+
+
 @pytest.mark.parametrize("device,dtype", [CPU, GPU_PARAMS[0]])
-@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
-def test_compiled_training_step_has_no_graph_break(kind, device, dtype):
-    """torch.compile(fullgraph=True) of forward + loss; backward; 0 graph breaks; new packings never recompile."""
+@pytest.mark.parametrize(
+    "kind,layout",
+    [
+        pytest.param("mistral", "position_ids", id="mistral-packed"),
+        pytest.param("gemma2", "position_ids", id="gemma2-packed"),
+        pytest.param("gemma2", "padded", id="gemma2-padded"),
+    ],
+)
+def test_compiled_training_step_has_no_graph_break(kind, layout, device, dtype):
+    """torch.compile(fullgraph=True) of forward + loss; backward; 0 graph breaks; new masks never recompile."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -353,20 +379,19 @@ def test_compiled_training_step_has_no_graph_break(kind, device, dtype):
     m = copy.deepcopy(model).to(device=device, dtype=dtype)
     m.set_attn_implementation("flashrange")
     m.train()
+    aux_name = layout if layout == "position_ids" else "attention_mask"
 
-    def step(input_ids, position_ids, labels):
-        return m(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False).loss
+    def step(input_ids, aux, labels):
+        return m(input_ids=input_ids, labels=labels, use_cache=False, **{aux_name: aux}).loss
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
-    # Same token count, different document counts and boundaries: no recompilation.
-    for i, lengths in enumerate([[7, 1, 12, 5], [3, 9, 4, 6, 3], [25]]):
-        docs, _ = _docs(lengths, seed=10 + i)
-        batch, _, positions = _packed(docs, "position_ids")
-        # DataCollatorWithFlattening's labels: the first token of each document is not predicted.
-        labels = batch["input_ids"].clone()
-        starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-        labels[0, starts] = -100
-        args = (batch["input_ids"].to(device), batch["position_ids"].to(device), labels.to(device))
+    n_batches = 0
+    for docs, positions, input_ids, aux, spans in _compile_batches(layout):
+        n_batches += 1
+        labels = torch.full_like(input_ids, -100)
+        for (b, s, n), d in zip(spans, docs):
+            labels[b, s + 1 : s + n] = d[1:]
+        args = (input_ids.to(device), aux.to(device), labels.to(device))
         m.zero_grad()
         loss = compiled(*args)
         loss.backward()
@@ -374,19 +399,25 @@ def test_compiled_training_step_has_no_graph_break(kind, device, dtype):
 
         gold_m = copy.deepcopy(model).to(device)
         gold_m.set_attn_implementation(ref_impl)
+        gold_m.train()
         gold_loss = sum(
-            gold_m(input_ids=d.unsqueeze(0).to(device), labels=d.unsqueeze(0).to(device), use_cache=False).loss
+            gold_m(
+                input_ids=d.unsqueeze(0).to(device),
+                position_ids=p.unsqueeze(0).to(device),
+                labels=d.unsqueeze(0).to(device),
+                use_cache=False,
+            ).loss
             * (len(d) - 1)
-            for d in docs
+            for d, p in zip(docs, positions)
             if len(d) > 1  # a one-token document predicts nothing
-        ) / (sum(lengths) - len(lengths))
+        ) / sum(len(d) - 1 for d in docs)
         gold_loss.backward()
         g_grads = {n: p.grad.detach().double().cpu() for n, p in gold_m.named_parameters() if p.grad is not None}
 
         ref_m = copy.deepcopy(model).to(device=device, dtype=dtype)
         ref_m.set_attn_implementation(ref_impl)
         ref_m.train()
-        ref_loss = ref_m(input_ids=args[0], position_ids=args[1], labels=args[2], use_cache=False).loss
+        ref_loss = ref_m(input_ids=args[0], labels=args[2], use_cache=False, **{aux_name: args[1]}).loss
         ref_loss.backward()
         r_grads = {n: p.grad.detach().double().cpu() for n, p in ref_m.named_parameters() if p.grad is not None}
 
@@ -397,7 +428,7 @@ def test_compiled_training_step_has_no_graph_break(kind, device, dtype):
             _three_way(t_grads[name], r_grads[name], g_grads[name], f"grad of {name}", floor_scale, norm="l2")
 
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert backend.frame_count == 1, f"compiled {backend.frame_count} times for 3 packings of the same size"
+    assert backend.frame_count == 1, f"compiled {backend.frame_count} times for {n_batches} batches of one shape"
 
 
 # --------------------------------------------------------------------------- generation

@@ -327,8 +327,13 @@ def flashrange_attention_forward(
     return out.view(B, Sq, Hq, v.shape[-1]), None
 
 
-def _mask_function_name(fn):
-    return getattr(fn, "__qualname__", getattr(fn, "__name__", ""))
+def _is_or_overlay(fn):
+    """Whether transformers' ``or_masks`` made ``fn`` (its inner function is named ``or_mask``).
+
+    ``__name__``, not ``__qualname__``: dynamo reads the former of a closure
+    but not the latter.
+    """
+    return getattr(fn, "__name__", "") == "or_mask"
 
 
 def flashrange_mask(
@@ -348,7 +353,7 @@ def flashrange_mask(
     padding mask. Raises for mask patterns the backend cannot express.
     """
     config = kwargs.get("config", None)
-    if kwargs.get("use_vmap", False) or "or_mask" in _mask_function_name(mask_function):
+    if kwargs.get("use_vmap", False) or _is_or_overlay(mask_function):
         raise NotImplementedError(
             "the flashrange backend does not support custom mask overlays (or_mask_function / "
             "and_mask_function / block_sequence_ids, e.g. bidirectional image tokens); use "
