@@ -122,7 +122,8 @@ def _padding_documents(mask, Sq, Sk, causal):
     # argmax returns the first maximal index: the first 1, and from the end the last 1.
     first = torch.where(has_keys, torch.argmax(m, dim=1), zero)
     end = torch.where(has_keys, Sk - torch.argmax(m.flip(1), dim=1), zero)
-    if _values_checkable(mask):
+    # Every layer gets the same mask object: check it (a host sync) once per forward, not per layer.
+    if _values_checkable(mask) and getattr(mask, "_flashrange_checked_version", None) != mask._version:
         lengths = m.sum(dim=1)
         bad = lengths != (end - first)
         if bool(bad.any()):
@@ -132,6 +133,7 @@ def _padding_documents(mask, Sq, Sk, causal):
                 "backend supports left or right padding only. Pack the sequences instead (position_ids "
                 "restarting at 0, or cu_seq_lens_q/k) or use attn_implementation='sdpa'."
             )
+        mask._flashrange_checked_version = mask._version
     base_q = torch.arange(B, dtype=torch.int64, device=dev) * Sq
     base_k = torch.arange(B, dtype=torch.int64, device=dev) * Sk
     if causal:
