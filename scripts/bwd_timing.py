@@ -6,8 +6,7 @@ For each case: backward alone and forward + backward, in ms and TFLOP/s
 counted on the mask's real area (forward ``4 * area * D * Hq``; backward 2.5x
 that; forward + backward 3.5x), and the peak memory a forward + backward
 allocates beyond its inputs. flashrange's backward is also split into its two
-kernels (dK/dV, dQ), and timed with the experimental atomic dQ variant (not
-deterministic) to decide whether offering it is worth it. Peers' backward is
+kernels (dK/dV, dQ). Peers' backward is
 their forward + backward minus their forward. FlexAttention's block mask is
 built once, outside the timed region. ``--sweep`` times the launch configs of
 the backward on a few cases.
@@ -69,7 +68,7 @@ CASES = [
 ]
 
 SWEEP = [
-    bwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3),
+    bwd.BwdConfig(32, 128, 8, 2, 128, 64, 8, 2),
     bwd.BwdConfig(64, 128, 8, 2, 128, 32, 8, 3),
     bwd.BwdConfig(32, 64, 8, 2, 64, 64, 4, 2),
 ]
@@ -96,7 +95,7 @@ def _tensors(T, H, D, rows):
     return q, k, v, do, t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
 
 
-def time_ours(q, k, v, do, qr, kr, mt, scale, row, config=None, parts=True, atomic=True):
+def time_ours(q, k, v, do, qr, kr, mt, scale, row, config=None, parts=True):
     fwd_op = torch.ops.flashrange.fwd
     out, lse = fwd_op(q, k, v, qr, kr, mt, scale, 0.0)
     dlse = torch.zeros_like(lse)
@@ -109,13 +108,6 @@ def time_ours(q, k, v, do, qr, kr, mt, scale, row, config=None, parts=True, atom
         row["ours_pre_ms"] = bench(lambda: bwd._launch_preprocess(st))
         row["ours_dkdv_ms"] = bench(lambda: bwd._launch_dkdv(st))
         row["ours_dq_ms"] = bench(lambda: bwd._launch_dq(st))
-    if atomic:
-        ref = bwd.range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, scale, 0.0, dlse, config=config)
-        got = bwd._backward_atomic_dq(do, q, k, v, out, lse, qr, kr, mt, scale, 0.0, dlse, config=config)
-        row["atomic_dq_maxdiff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, got))
-        row["ours_bwd_atomic_ms"] = bench(
-            lambda: bwd._backward_atomic_dq(do, q, k, v, out, lse, qr, kr, mt, scale, 0.0, dlse, config=config)
-        )
     if config is None:
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -200,7 +192,7 @@ def sweep(names):
         for cfg in SWEEP:
             row = {"sweep": True, "case": name, "config": list(cfg)}
             try:
-                time_ours(q, k, v, do, qr, kr, mt, D ** -0.5, row, config=cfg, atomic=False)
+                time_ours(q, k, v, do, qr, kr, mt, D ** -0.5, row, config=cfg)
                 row["ours_bwd_tflops"] = 2.5 * flops / row["ours_bwd_ms"] * 1e-9
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:300]
@@ -215,10 +207,10 @@ def _f(x, fmt="{:.0f}"):
 
 def table(rows):
     lines = [
-        "| case | ours bwd ms | ours bwd TF/s | dK/dV ms | dQ ms | atomic-dQ bwd ms | ours fwd+bwd ms | ours fwd+bwd TF/s"
+        "| case | ours bwd ms | ours bwd TF/s | dK/dV ms | dQ ms | ours fwd+bwd ms | ours fwd+bwd TF/s"
         " | cuDNN fwd+bwd TF/s | Flex fwd+bwd TF/s | x Flex | x cuDNN | Flex bwd TF/s | cuDNN bwd TF/s"
         " | peak extra MB ours / cuDNN / Flex |",
-        "|" + "---|" * 15,
+        "|" + "---|" * 14,
     ]
     for r in rows:
         if r.get("sweep"):
@@ -227,7 +219,6 @@ def table(rows):
         lines.append(
             f"| {r['case']} | {_f(r.get('ours_bwd_ms'), '{:.2f}')} | {_f(r.get('ours_bwd_tflops'))}"
             f" | {_f(r.get('ours_dkdv_ms'), '{:.2f}')} | {_f(r.get('ours_dq_ms'), '{:.2f}')}"
-            f" | {_f(r.get('ours_bwd_atomic_ms'), '{:.2f}')}"
             f" | {_f(r.get('ours_fwdbwd_ms'), '{:.2f}')} | {_f(o)} | {_f(c)} | {_f(fl)}"
             f" | {_f(o / fl if o and fl else None, '{:.2f}')} | {_f(o / c if o and c else None, '{:.2f}')}"
             f" | {_f(r.get('flex_bwd_tflops'))} | {_f(r.get('cudnn_bwd_tflops'))}"

@@ -159,16 +159,18 @@ def test_realistic_sizes(T, Hq, Hkv, D, build, dtype, softcap, golden):
 
 
 def test_random_slice_fuzz():
-    """1000 random small problems: all types, overlaps, empties, uncovered rows, GQA, softcap, odd dims."""
+    """1000 random small problems: all types, overlaps, empties, uncovered rows, GQA, softcap, odd lengths."""
     rng = random.Random(1234)
     for case in range(1000):
         Tq = rng.choice([1, 2, 17, 63, 64, 65, rng.randint(1, 300)])
         Tk = rng.choice([Tq, 1, 33, rng.randint(1, 300)])
         Hkv = rng.choice([1, 2])
         Hq = Hkv * rng.choice([1, 2, 4])
-        D = rng.choice([16, 40, 64, 96, 128])
-        dtype = rng.choice([torch.bfloat16, torch.float16])
-        softcap = rng.choice([0.0, 0.0, 0.0, 4.0])
+        # One head dim and few variants keep the number of kernel builds small
+        # (head dims 16-256 are covered above and by the CPU tests).
+        D = 64
+        dtype = torch.float16 if rng.random() < 0.2 else torch.bfloat16
+        softcap = 4.0 if rng.random() < 0.2 else 0.0
         uncovered = rng.choice([0, 0, min(3, Tq - 1)])
         rows = _random_rows(Tq, Tk, rng.randint(1, 10), rng, rng.randint(0, 3), uncovered)
         try:

@@ -90,7 +90,7 @@ def _bwd_preprocess(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v,
-    Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
+    Q_h, DO_h, LSE2_h, DELTA_h,
     first_m, n_first, second_m, n_tiles, m_lo, m_hi,
     offs_n, offs_d, offs_dv,
     stride_qt, stride_dot,
@@ -98,7 +98,7 @@ def _dkdv_tiles(
     D, DV, qk_scale2, scale, softcap,
     IS_MASKED: tl.constexpr, IS_SOFTCAP: tl.constexpr,
     PAD_D: tl.constexpr, PAD_DV: tl.constexpr, ROW64: tl.constexpr,
-    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Accumulate ``n_tiles`` query tiles into one key block.
 
@@ -159,28 +159,20 @@ def _dkdv_tiles(
         dsT = pT * (dpT - delta[None, :])
         if IS_SOFTCAP:
             dsT = dsT * (1.0 - th * th)
-        ds_op = _cast(dsT, q.dtype, EMU_BF16)
-        dk += tl.dot(ds_op, q, input_precision=DOT_PREC)
-        if ATOMIC_DQ:
-            dq_part = tl.dot(tl.trans(ds_op), k, input_precision=DOT_PREC) * scale
-            dq_ptrs = DQA_h + rows[:, None] * stride_qt + offs_d[None, :]
-            if IS_MASKED:
-                tl.atomic_add(dq_ptrs, dq_part, mask=mask_m[:, None] & (offs_d[None, :] < D), sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq_part, mask=offs_d[None, :] < D, sem="relaxed")
+        dk += tl.dot(_cast(dsT, q.dtype, EMU_BF16), q, input_precision=DOT_PREC)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV_, DQA,
+    Q, K, V, DO, LSE2, DELTA, DK, DV_,
     SLICES, BLOCK_LO, BLOCK_HI, BLOCK_ORDER,
     Tq, Tk, Hq, Hkv, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     scale, softcap,
     IS_SOFTCAP: tl.constexpr, ROW64: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+    PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Heaviest key blocks first; all heads of one block are neighbours in the grid.
@@ -237,20 +229,19 @@ def _bwd_dkdv_kernel(
         DO_h = DO + h * stride_doh
         LSE2_h = LSE2 + h * Tq
         DELTA_h = DELTA + h * Tq
-        DQA_h = DQA + h * stride_qh
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
+            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
             f_lo, n_full, f_lo, n_full, m_lo, m_hi,
             offs_n, offs_d, offs_dv, stride_qt, stride_dot,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
+            False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h, DQA_h,
+            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
             f_lo - n_pre * BLOCK_M, n_pre, post, n_pre + n_post, m_lo, m_hi,
             offs_n, offs_d, offs_dv, stride_qt, stride_dot,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, ATOMIC_DQ, BLOCK_M,
+            True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
         )
 
     dk = dk * scale
@@ -436,14 +427,16 @@ def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) ->
         # several tiles, masked and unmasked.
         return BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
     d = max(D, Dv)
-    # Offline sm_90 builds (ptxas, Triton 3.9) of these shapes use at most 255
-    # registers without spilling for d <= 128; d = 256 spills a little.
+    # d = 128: the fastest of the shapes timed on an H200 (Triton 3.6; causal
+    # 32k: 29.6 ms against 33.4 ms for (64, 128, 8, 2, 128, 32, 8, 3) and 38.8 ms
+    # with 2 stages). Other head dims: shapes whose offline sm_90 builds fit in
+    # 255 registers without spilling (d = 256 spills a little), not timed.
     if dtype == torch.float32:
         return BwdConfig(32, 64, 4, 2, 64, 32, 4, 2) if d <= 128 else BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
     if d <= 64:
-        return BwdConfig(64, 128, 8, 2, 128, 64, 8, 2)
+        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
     if d <= 128:
-        return BwdConfig(32, 128, 8, 2, 128, 64, 8, 2)
+        return BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
     return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
@@ -483,7 +476,7 @@ class _State:
     """Everything the three launches share (tensors made contiguous, scalars, config)."""
 
     __slots__ = ("dout", "q", "k", "v", "out", "lse", "dlse", "q_ranges", "k_ranges", "mask_types", "scale",
-                 "softcap", "cfg", "dq", "dk", "dv", "delta", "lse2", "row64", "emu_bf16", "dot_prec", "dqa")
+                 "softcap", "cfg", "dq", "dk", "dv", "delta", "lse2", "row64", "emu_bf16", "dot_prec")
 
 
 def _zeros(q, k, v):
@@ -527,7 +520,6 @@ def _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_sc
     st.dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     st.dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     st.dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    st.dqa = None
     st.emu_bf16 = q.dtype == torch.bfloat16 and _interpreting()
     st.dot_prec = "ieee" if q.dtype == torch.float32 or st.emu_bf16 else "tf32"
     # Row offsets stay int32 unless some tensor spans 2**31 elements.
@@ -552,23 +544,21 @@ def _launch_preprocess(st):
     )
 
 
-def _launch_dkdv(st, atomic_dq=False):
+def _launch_dkdv(st):
     q, k, v, dout, dk, dv, cfg = st.q, st.k, st.v, st.dout, st.dk, st.dv, st.cfg
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     is_softcap = st.softcap > 0.0
-    if atomic_dq:
-        st.dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     plan = build_plan(st.q_ranges, st.k_ranges, st.mask_types, Tq, Tk, cfg.kv_block_n, transpose=True)
     n_blocks = plan.block_order.shape[0]
     _bwd_dkdv_kernel[(n_blocks * Hkv,)](
-        q, k, v, dout, st.lse2, st.delta, dk, dv, st.dqa if atomic_dq else dk,
+        q, k, v, dout, st.lse2, st.delta, dk, dv,
         plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
         Tq, Tk, Hq, Hkv, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         st.scale, st.softcap if is_softcap else 1.0,
-        IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16, ATOMIC_DQ=atomic_dq,
+        IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16,
         PAD_D=_block_dim(D) != D, PAD_DV=_block_dim(Dv) != Dv,
         BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
@@ -594,17 +584,3 @@ def _launch_dq(st):
         BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         num_warps=cfg.q_warps, num_stages=cfg.q_stages,
     )
-
-
-def _backward_atomic_dq(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0,
-                        dlse=None, *, config=None):
-    """Experimental, NOT deterministic: dQ accumulated with float32 atomics inside the dK/dV kernel.
-
-    Kept only to measure against the deterministic path (scripts/bwd_timing.py).
-    """
-    st = _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config)
-    if st is None:
-        return _zeros(q, k, v)
-    _launch_preprocess(st)
-    _launch_dkdv(st, atomic_dq=True)
-    return st.dqa.to(q.dtype), st.dk, st.dv
