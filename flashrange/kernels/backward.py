@@ -36,8 +36,6 @@ from ._mask import key_span, query_span, slice_diagonals
 
 __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _tanh(x):
