@@ -10,7 +10,8 @@
 #   BENCH_BUDGET  (270)  bench stops starting new work after this, and is
 #                        interrupted (report still written) 45 s later
 # Worst case about 8.5 minutes. Extras: BENCH_ARGS (e.g. "--quick" or
-# "--cases 'causal-*'"), SKIP_TESTS=1, SKIP_BENCH=1.
+# "--cases 'causal-*'"), PYTEST_ARGS (e.g. "-k 'not every_config'"), SKIP_TESTS=1,
+# SKIP_BENCH=1.
 # Exit status: 0 when the tests pass and the bench finds no error or mismatch.
 
 set -u -o pipefail
@@ -24,6 +25,7 @@ PYTEST_BUDGET="${PYTEST_BUDGET:-180}"
 PYTEST_TEST_TIMEOUT="${PYTEST_TEST_TIMEOUT:-120}"
 BENCH_BUDGET="${BENCH_BUDGET:-270}"
 BENCH_ARGS="${BENCH_ARGS:-}"
+PYTEST_ARGS="${PYTEST_ARGS:-}"
 t0=$(date +%s)
 
 {
@@ -51,7 +53,7 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
     fi
     echo "== GPU tests (budget ${PYTEST_BUDGET}s) -> $OUT/pytest_gpu.log"
     timeout -s INT -k 15 "$PYTEST_BUDGET" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider \
-        ${timeout_flag[@]+"${timeout_flag[@]}"} tests >"$OUT/pytest_gpu.log" 2>&1
+        ${timeout_flag[@]+"${timeout_flag[@]}"} $PYTEST_ARGS tests >"$OUT/pytest_gpu.log" 2>&1
     test_rc=$?
     if [ "$test_rc" -eq 124 ] || [ "$test_rc" -eq 130 ] || [ "$test_rc" -eq 137 ]; then
         test_summary="GPU tests: STOPPED at the ${PYTEST_BUDGET}s budget (rc $test_rc); see pytest_gpu.log"
