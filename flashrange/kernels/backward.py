@@ -59,7 +59,9 @@ def _cast(x, dtype: tl.constexpr, EMU_BF16: tl.constexpr):
         return x.to(dtype)
 
 
-@triton.jit
+# Sizes and head counts vary from call to call; specializing on them (== 1,
+# divisible by 16) would build a new kernel for each combination.
+@triton.jit(do_not_specialize=["Tq", "DV"])
 def _bwd_preprocess(
     O, DO, LSE, DLSE, DELTA, LSE2,
     Tq, DV,
@@ -161,7 +163,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV_,
     SLICES, BLOCK_LO, BLOCK_HI, BLOCK_ORDER,
@@ -310,7 +312,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ,
     SLICES, BLOCK_LO, BLOCK_HI, BLOCK_ORDER,

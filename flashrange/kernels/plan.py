@@ -49,7 +49,9 @@ def _canonical_keys(qs, qe, ks, ke, mt, valid, IS_TRANSPOSED: tl.constexpr):
     return k1, k2
 
 
-@triton.jit
+# Slice counts and lengths change between calls; specializing on their values
+# (== 1, divisible by 16) would only multiply the kernels built.
+@triton.jit(do_not_specialize=["S", "Tq", "Tk"])
 def _rank_slices_kernel(
     qr_ptr, kr_ptr, mt_ptr, out_ptr, S, Tq, Tk,
     IS_TRANSPOSED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -128,7 +130,7 @@ def _slice_cells_in(x0, x1, ms, lmaj, lmin, mt, IS_TRANSPOSED: tl.constexpr):
     return tl.where(mt == 0, full, tl.where(mt == 1, causal, tl.where(mt == 2, inv, bi)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "T", "n_blocks"])
 def _block_windows_kernel(
     slices_ptr, lo_ptr, hi_ptr, work_ptr, S, T, n_blocks,
     IS_TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -185,7 +187,7 @@ def _block_windows_kernel(
     tl.store(work_ptr + offs_b, work, mask=mask_b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _order_blocks_kernel(work_ptr, order_ptr, n_blocks, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     offs_b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
