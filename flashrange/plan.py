@@ -30,7 +30,7 @@ import torch
 
 from .reference import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 
-__all__ = ["RangePlan", "build_plan", "build_plan_torch", "MAX_TOKENS"]
+__all__ = ["RangePlan", "build_plan", "build_plan_torch", "canonical_slices", "MAX_TOKENS"]
 
 # Canonical sort keys pack two coordinates in one int64: 30 bits each.
 MAX_TOKENS = (1 << 30) - 1
@@ -141,35 +141,44 @@ def build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False
     return build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
 
 
-def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False):
-    """:func:`build_plan` in plain PyTorch ops: readable, any device, ~100 small launches."""
-    dev = q_ranges.device
+def canonical_slices(q_ranges, k_ranges, mask_types, Tq, Tk, *, transpose=False):
+    """Int64 ``(S, 5)``: the plan's ``slices`` (clamped, canonical order, type -1 when never visited).
+
+    Canonical order: by (major start, minor start), ties by (major end,
+    minor end, type); two stable sorts, the secondary key first. Slices equal
+    in all five values are interchangeable, so their relative order changes
+    no result bit.
+    """
     qr = q_ranges.reshape(-1, 2).long()
     kr = k_ranges.reshape(-1, 2).long()
     types = mask_types.reshape(-1).long()
     qs, qe = qr[:, 0].clamp(0, Tq), qr[:, 1].clamp(0, Tq)
     ks, ke = kr[:, 0].clamp(0, Tk), kr[:, 1].clamp(0, Tk)
     valid = (qe > qs) & (ke > ks) & (types >= FULL) & (types <= BI_CAUSAL)
+    ms, me, ns, ne = (ks, ke, qs, qe) if transpose else (qs, qe, ks, ke)
+    big = torch.full_like(ms, 1 << 62)
+    primary = torch.where(valid, (ms << 32) | ns, big)
+    secondary = (me << 32) | (ne << 2) | types.clamp(0, 3)
+    order = torch.sort(secondary, stable=True).indices
+    order = order.gather(0, torch.sort(primary.gather(0, order), stable=True).indices)
+    slices = torch.stack([qs, qe, ks, ke, torch.where(valid, types, torch.full_like(types, -1))], dim=1)
+    return slices.index_select(0, order)
+
+
+def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False):
+    """:func:`build_plan` in plain PyTorch ops: readable, any device, ~100 small launches."""
+    dev = q_ranges.device
+    slices = canonical_slices(q_ranges, k_ranges, mask_types, Tq, Tk, transpose=transpose)
+    qs, qe, ks, ke, types = slices.unbind(1)
+    valid = types >= 0
     if transpose:
         ms, me, ns, ne, T = ks, ke, qs, qe, Tk
     else:
         ms, me, ns, ne, T = qs, qe, ks, ke, Tq
     n_blocks = max(1, -(-T // block))
 
-    # Canonical order: by (major start, minor start), ties by (major end,
-    # minor end, type); two stable sorts, the secondary key first.
-    big = torch.full_like(ms, 1 << 62)
-    primary = torch.where(valid, (ms << 32) | ns, big)
-    secondary = (me << 32) | (ne << 2) | types.clamp(0, 3)
-    order = torch.sort(secondary, stable=True).indices
-    order = order.gather(0, torch.sort(primary.gather(0, order), stable=True).indices)
-
-    slices = torch.stack([qs, qe, ks, ke, torch.where(valid, types, torch.full_like(types, -1))], dim=1)
-    slices = slices.index_select(0, order)
-    valid_s = valid.gather(0, order)
-    start_s = torch.where(valid_s, ms.gather(0, order), torch.full_like(ms, T + 1))
-    end_s = torch.where(valid_s, me.gather(0, order), torch.zeros_like(me))
-
+    start_s = torch.where(valid, ms, torch.full_like(ms, T + 1))
+    end_s = torch.where(valid, me, torch.zeros_like(me))
     b0 = torch.arange(n_blocks, device=dev, dtype=torch.int64) * block
     b1 = (b0 + block).clamp(max=T)
     block_hi = torch.searchsorted(start_s, b1, right=False)

@@ -130,3 +130,22 @@ def test_unknown_backend_is_rejected():
     z = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="backend must be"):
         build_plan(z, z, torch.zeros(1, dtype=torch.int32), 4, 4, 16, backend="cuda")
+
+
+def test_triton_plan_sort_path_equals_counting_path(monkeypatch):
+    """Past RANK_BY_COUNTING_MAX slices the Triton plan ranks by sorting; the plan must not change."""
+    import flashrange.kernels.plan as triton_plan
+
+    rng = random.Random(23)
+    cases = [_random_slices(rng, rng.randint(1, 200), rng.randint(1, 200), rng.randint(1, 40), garbage=g)
+             for g in (False, True, False)]
+    for qr, kr, mt in cases:
+        Tq = int(qr.clamp(min=0).max()) + 3
+        Tk = int(kr.clamp(min=0).max()) + 5
+        for transpose in (False, True):
+            counting = build_plan(qr, kr, mt, Tq, Tk, 16, transpose=transpose, backend="triton")
+            monkeypatch.setattr(triton_plan, "RANK_BY_COUNTING_MAX", 0)
+            sorting = build_plan(qr, kr, mt, Tq, Tk, 16, transpose=transpose, backend="triton")
+            monkeypatch.undo()
+            for name, x, y in zip(counting._fields, counting, sorting):
+                assert torch.equal(x, y), (transpose, name)
