@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .interface import range_attention
-from .mask import window_slices
+from .mask import _check_window, window_slices
 
 __all__ = ["flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func"]
 
@@ -105,12 +105,7 @@ def _fa3_window(causal, window_size, extra):
     unknown = set(extra) - set(_FA3_UNSUPPORTED) - set(_FA3_TUNING) - {"attention_chunk", "dropout_p"}
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from e
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {tuple(window_size)!r}")
+    left, right = _check_window(window_size)
     if causal:
         right = 0
     return left, right
