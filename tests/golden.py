@@ -61,3 +61,36 @@ def max_err(a, b):
     same_inf = torch.isinf(a) & (a == b)
     d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
     return float(d.max()) if d.numel() else 0.0
+
+
+def random_slice_rows(Tq, Tk, n, rng, *, n_empty=0, uncovered=0, random_types=False, mixed_empties=True):
+    """Random slices ``(qs, qe, ks, ke, type)``: overlaps, length-1 slices, tensor edges, then empty ones.
+
+    The last ``uncovered`` query rows are left to no slice. Types cycle
+    through the four, or are drawn from ``rng`` with ``random_types``. Empty
+    slices are ``[0, 0)`` padding, or with ``mixed_empties`` also empty q or
+    k ranges at random offsets. ``rng`` is a ``random.Random``.
+    """
+    top = Tq - uncovered
+    rows = []
+    for s in range(n):
+        kind = rng.random()
+        if kind < 0.15:  # length-1 slice
+            qs = rng.randrange(top)
+            qe = qs + 1
+        elif kind < 0.3:  # touching the edges
+            qs, qe = 0, top
+        else:
+            qs = rng.randrange(top)
+            qe = rng.randint(qs + 1, top)
+        ks = rng.randrange(Tk)
+        ke = rng.randint(ks + 1, Tk) if rng.random() < 0.8 else Tk
+        rows.append((qs, qe, ks, ke, rng.randrange(4) if random_types else s % 4))
+    for _ in range(n_empty):
+        if mixed_empties:
+            e = rng.randrange(Tq + 1)
+            at = rng.randint(0, len(rows))
+            rows.insert(at, rng.choice([(0, 0, 0, 0, 0), (e, e, 0, Tk, 1), (0, Tq, e % Tk, e % Tk, 2)]))
+        else:
+            rows.insert(rng.randint(0, len(rows)), (0, 0, 0, 0, 0))
+    return rows

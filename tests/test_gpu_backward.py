@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+from golden import random_slice_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,27 +59,6 @@ def _window(T, w):
         # Query i in [a, e) sees keys [i - w + 1, i]: a BI_CAUSAL band of Lk - Lq = w - 1.
         rows.append((a, e, a - w + 1, e, BI_CAUSAL))
         a = e
-    return rows
-
-
-def _random_rows(Tq, Tk, n, rng, n_empty, uncovered):
-    top = Tq - uncovered
-    rows = []
-    for s in range(n):
-        kind = rng.random()
-        if kind < 0.15:
-            qs = rng.randrange(top)
-            qe = qs + 1
-        elif kind < 0.3:
-            qs, qe = 0, top
-        else:
-            qs = rng.randrange(top)
-            qe = rng.randint(qs + 1, top)
-        ks = rng.randrange(Tk)
-        ke = rng.randint(ks + 1, Tk) if rng.random() < 0.8 else Tk
-        rows.append((qs, qe, ks, ke, rng.randrange(4)))
-    for _ in range(n_empty):
-        rows.insert(rng.randint(0, len(rows)), (0, 0, 0, 0, FULL))
     return rows
 
 
@@ -172,7 +152,8 @@ def test_random_slice_fuzz():
         dtype = torch.float16 if rng.random() < 0.2 else torch.bfloat16
         softcap = 4.0 if rng.random() < 0.2 else 0.0
         uncovered = rng.choice([0, 0, min(3, Tq - 1)])
-        rows = _random_rows(Tq, Tk, rng.randint(1, 10), rng, rng.randint(0, 3), uncovered)
+        rows = random_slice_rows(Tq, Tk, rng.randint(1, 10), rng, n_empty=rng.randint(0, 3), uncovered=uncovered,
+                                random_types=True, mixed_empties=False)
         try:
             (dq, dk, dv), _ = _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, softcap=softcap, seed=case)
         except AssertionError as e:

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from flashrange import reference
+from golden import random_slice_rows
 from flashrange.kernels.backward import BwdConfig, default_config, range_attention_backward_triton
 
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = reference.FULL, reference.CAUSAL, reference.INV_CAUSAL, reference.BI_CAUSAL
@@ -42,30 +43,7 @@ def _ranges(rows):
 
 
 def _random_rows(Tq, Tk, n, seed, *, n_empty=0, uncovered=0):
-    """Random slices of all types: overlaps, length 1, tensor edges; then empty ones.
-
-    The last ``uncovered`` rows of the queries are left to no slice.
-    """
-    rng = random.Random(seed)
-    top = Tq - uncovered
-    rows = []
-    for s in range(n):
-        kind = rng.random()
-        if kind < 0.15:  # length-1 slice
-            qs = rng.randrange(top)
-            qe = qs + 1
-        elif kind < 0.3:  # touching the edges
-            qs, qe = 0, top
-        else:
-            qs = rng.randrange(top)
-            qe = rng.randint(qs + 1, top)
-        ks = rng.randrange(Tk)
-        ke = rng.randint(ks + 1, Tk) if rng.random() < 0.8 else Tk
-        rows.append((qs, qe, ks, ke, s % 4))
-    for _ in range(n_empty):
-        e = rng.randrange(Tq + 1)
-        rows.insert(rng.randint(0, len(rows)), rng.choice([(0, 0, 0, 0, 0), (e, e, 0, Tk, 1), (0, Tq, e % Tk, e % Tk, 2)]))
-    return rows
+    return random_slice_rows(Tq, Tk, n, random.Random(seed), n_empty=n_empty, uncovered=uncovered)
 
 
 def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse):
