@@ -502,7 +502,7 @@ class FlashAttnPeer(Contender):
         mod = self.module
         if case.kind == "document":
             self.layout = "thd"
-            cu, T = mask.cu_seqlens, case.T
+            cu = mask.cu_seqlens
             f = mod.flash_attn_varlen_func
             max_len = int((cu[1:] - cu[:-1]).max())
             kw = _kwargs_for(f, {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max_len,

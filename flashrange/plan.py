@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .reference import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
+from .reference import BI_CAUSAL, FULL
 
 __all__ = ["RangePlan", "build_plan", "build_plan_torch", "canonical_slices", "MAX_TOKENS"]
 
