@@ -7,13 +7,19 @@ front-ends for MagiAttention / FlashAttention-3 users. Importing the package
 is cheap: Triton and matplotlib load only when first needed.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+
 from .compat import flash_attn_func, flash_attn_varlen_func, flex_flash_attn_func
-from .interface import range_attention
+from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
+from .interface import plan_mask, range_attention
 from .mask import RangeMask, bucket_capacity
-from .reference import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
+from .plan import RangePlan
 
 __all__ = [
     "range_attention",
+    "plan_mask",
+    "RangePlan",
     "RangeMask",
     "bucket_capacity",
     "flex_flash_attn_func",
@@ -25,4 +31,7 @@ __all__ = [
     "BI_CAUSAL",
     "__version__",
 ]
-__version__ = "0.1.0"
+try:
+    __version__ = _dist_version("flashrange")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"

@@ -5,8 +5,9 @@
   padded ``(B, S, H, D)`` and packed varlen interfaces, causal and windows
   aligned to the bottom-right corner as in FA3.
 
-All run on the ``flashrange::fwd`` op through :func:`flashrange.range_attention`
-(so eager calls validate ranges, compiled ones do not). The FA3 front-ends
+All run through :func:`flashrange.interface.attention`, the entry below
+every front-end (static checks always; value checks in strict mode; an
+optional ``plan=``). The FA3 front-ends
 build their slices **on the device** from ``cu_seqlens`` with elementwise
 ops: no ``.item()``, no host copy, slice counts that depend only on the batch
 size and the (static) window, so they trace under
@@ -17,10 +18,42 @@ from __future__ import annotations
 
 import torch
 
-from .interface import range_attention
-from .mask import _check_window, window_slices
+from .interface import attention
+from .validation import check_cu_seqlens_values, check_window, strict_enabled, values_readable
+from .window import window_slices
 
-__all__ = ["flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func", "FFA_IGNORED_FLAGS"]
+
+# MagiAttention's flags that only tune speed or memory, accepted by name and ignored.
+FFA_IGNORED_FLAGS = (
+    "sm_margin",
+    "disable_fwd_atomic_reduction",
+    "disable_bwd_dkv_atomic_reduction",
+    "disable_bwd_dq_atomic_reduction",
+    "auto_range_merge",
+    "range_merge",
+    "ref_block_size",
+    "max_outer_range_width",
+    "swap_ab",
+    "pack_gqa",
+    "cat_gqa",
+    "swap_bwd_qk_loop",
+    "bwd_inner_loop_k",
+    "profile_mode",
+)
+# MagiAttention's flags that change the result and are not implemented: they raise unless left at the default.
+_FFA_UNSUPPORTED = {
+    "sink": None,
+    "index_sparse_indices": None,
+    "block_sparse": False,
+    "index_sparse": False,
+    "return_max_logits": False,
+    "return_dtype": None,
+    "q_block_size": 1,
+    "sparse_k_block_size": 1,
+    "sink_layout": "sh",
+}
+_FFA_NAMES = ("q_ranges", "k_ranges", "attn_type_map")
 
 # FA3 arguments that change the result and that flashrange does not implement.
 _FA3_UNSUPPORTED = ("qv", "q_descale", "k_descale", "v_descale", "alibi_slopes", "sink", "learnable_sink")
@@ -40,7 +73,10 @@ def flex_flash_attn_func(
     softmax_scale=None,
     softcap=0.0,
     deterministic=False,
-    **ignored_tuning_flags,
+    *,
+    plan=None,
+    strict=None,
+    **magi_flags,
 ):
     """MagiAttention-style ``flex_flash_attn_func``: attention over ranges, returns ``(out, lse)``.
 
@@ -48,45 +84,56 @@ def flex_flash_attn_func(
         q: `(Tq, Hq, D)`; k: `(Tk, Hkv, D)`; v: `(Tk, Hkv, Dv)`.
         q_ranges, k_ranges: `(S, 2)` int32 on q's device.
         attn_type_map: `(S,)` int32 types (0 FULL, 1 CAUSAL, 2 INV_CAUSAL,
-            3 BI_CAUSAL); ``None`` means all FULL.
+            3 BI_CAUSAL), or a list / tuple of them; ``None`` means all FULL.
         max_seqlen_q, max_seqlen_k: accepted and unused. The older positional
             order ``(..., k_ranges, max_seqlen_q, max_seqlen_k, attn_type_map)``
             is recognised when an int sits in ``attn_type_map``'s place.
         softmax_scale: defaults to `1 / sqrt(D)`; softcap: `0` disables.
         deterministic: accepted; flashrange is always deterministic.
-        ignored_tuning_flags: MagiAttention's speed knobs (``sm_margin``,
-            ``disable_fwd_atomic_reduction``, ``auto_range_merge``,
-            ``ref_block_size``...) are accepted and ignored; ``sink``,
-            ``index_sparse_indices`` and ``return_max_logits`` change the
-            result, are not supported and raise.
+        plan, strict: as in :func:`flashrange.range_attention`.
+        magi_flags: MagiAttention's speed knobs (:data:`FFA_IGNORED_FLAGS`)
+            are accepted and ignored; ``sink``, ``index_sparse_indices``,
+            ``block_sparse``, ``index_sparse``, ``return_max_logits`` and
+            ``return_dtype`` change the result, are not supported and raise
+            ``NotImplementedError`` unless left at their defaults; any other
+            keyword raises ``TypeError``.
 
     Returns:
         ``out`` `(Tq, Hq, Dv)` in q's dtype and ``lse`` `(Tq, Hq)` float32.
     """
-    if ignored_tuning_flags.get("sink") is not None:
-        raise NotImplementedError("flashrange does not implement attention sinks (sink=...); pass sink=None")
-    if ignored_tuning_flags.get("index_sparse_indices") is not None:
-        raise NotImplementedError(
-            "flashrange does not implement index-sparse attention (index_sparse_indices=...); "
-            "express the blocks as ranges, e.g. with RangeMask.block_sparse"
+    unknown = sorted(set(magi_flags) - set(FFA_IGNORED_FLAGS) - set(_FFA_UNSUPPORTED))
+    if unknown:
+        raise TypeError(
+            f"flex_flash_attn_func got unexpected keyword arguments {unknown}; accepted and ignored: "
+            f"{', '.join(FFA_IGNORED_FLAGS)}"
         )
-    if ignored_tuning_flags.get("return_max_logits"):
-        raise NotImplementedError("flashrange does not return max logits; pass return_max_logits=False")
-    if attn_type_map is not None and not isinstance(attn_type_map, torch.Tensor):
+    for name, default in _FFA_UNSUPPORTED.items():
+        if name in magi_flags and magi_flags[name] is not default and magi_flags[name] != default:
+            raise NotImplementedError(
+                f"flashrange's flex_flash_attn_func does not implement {name}={magi_flags[name]!r}; "
+                f"leave it at its default ({default!r})"
+            )
+    if isinstance(attn_type_map, int) and not isinstance(attn_type_map, bool):
         # Older MagiAttention order: (..., max_seqlen_q, max_seqlen_k, attn_type_map).
         attn_type_map, max_seqlen_q, max_seqlen_k = max_seqlen_k, attn_type_map, max_seqlen_q
-        if attn_type_map is not None and not isinstance(attn_type_map, torch.Tensor):
-            raise ValueError(
-                f"attn_type_map must be an int32 tensor of shape (S,) or None, got {type(attn_type_map).__name__}"
-            )
-    if attn_type_map is None:
+    if isinstance(attn_type_map, (list, tuple)):
+        device = q_ranges.device if isinstance(q_ranges, torch.Tensor) else None
+        try:
+            attn_type_map = torch.tensor(attn_type_map, dtype=torch.int32, device=device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"attn_type_map must be a list of ints (mask types), got {attn_type_map!r}") from e
+    elif attn_type_map is None:
         if not isinstance(q_ranges, torch.Tensor) or q_ranges.dim() != 2:
             raise ValueError("q_ranges must be an int32 tensor of shape (S, 2)")
         attn_type_map = torch.zeros(q_ranges.shape[0], dtype=torch.int32, device=q_ranges.device)
-    return range_attention(
+    elif not isinstance(attn_type_map, torch.Tensor):
+        raise TypeError(
+            f"attn_type_map must be an int32 tensor of shape (S,), a list of ints or None, got "
+            f"{type(attn_type_map).__name__}"
+        )
+    return attention(
         q, k, v, q_ranges, k_ranges, attn_type_map,
-        softmax_scale=softmax_scale, softcap=softcap,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale, softcap=softcap, plan=plan, strict=strict, names=_FFA_NAMES,
     )
 
 
@@ -105,7 +152,7 @@ def _fa3_window(causal, window_size, extra):
     unknown = set(extra) - set(_FA3_UNSUPPORTED) - set(_FA3_TUNING) - {"attention_chunk", "dropout_p"}
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
-    left, right = _check_window(window_size)
+    left, right = check_window(window_size)
     if causal:
         right = 0
     return left, right
@@ -121,6 +168,8 @@ def flash_attn_func(
     softcap=0.0,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    strict=None,
     **fa3_flags,
 ):
     """FlashAttention-3-style attention on padded batches.
@@ -162,12 +211,12 @@ def flash_attn_func(
         raise ValueError(f"k and v must share the sequence length, got {k.shape[1]} and {v.shape[1]}")
     b = torch.arange(B, device=q.device, dtype=torch.int64)
     q_ranges, k_ranges, mask_types = window_slices(b * Sq, (b + 1) * Sq, b * Sk, (b + 1) * Sk, left, right)
-    out, lse = range_attention(
+    out, lse = attention(
         q.reshape(B * Sq, Hq, q.shape[3]),
         k.reshape(B * Sk, k.shape[2], k.shape[3]),
         v.reshape(B * Sk, v.shape[2], v.shape[3]),
         q_ranges, k_ranges, mask_types,
-        softmax_scale=softmax_scale, softcap=softcap,
+        softmax_scale=softmax_scale, softcap=softcap, strict=strict,
     )
     out = out.view(B, Sq, Hq, v.shape[3])
     if not return_attn_probs:
@@ -191,6 +240,9 @@ def flash_attn_varlen_func(
     softcap=0.0,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    plan=None,
+    strict=None,
     **fa3_flags,
 ):
     """FlashAttention-3-style attention on packed variable-length sequences.
@@ -209,6 +261,12 @@ def flash_attn_varlen_func(
             (``off = Lk - Lq`` with the used lengths).
         softmax_scale, softcap, deterministic, return_attn_probs, fa3_flags:
             as in :func:`flash_attn_func`.
+        plan: a plan of this call's slices (:func:`flashrange.plan_mask` over
+            ``flashrange.window.window_slices`` of the same documents), reused
+            across layers; planned in the call when ``None``.
+        strict: as in :func:`flashrange.range_attention`; here it also checks
+            ``cu_seqlens_q`` / ``cu_seqlens_k`` (start at 0, non-decreasing,
+            last value within the packed tensor) and ``seqused_*`` (>= 0).
 
     Returns:
         ``out`` `(total_q, Hq, Dv)`, or ``(out, lse)`` with ``lse``
@@ -227,6 +285,12 @@ def flash_attn_varlen_func(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
+    if strict_enabled(strict) and values_readable(cu_seqlens_q):
+        check_cu_seqlens_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+        check_cu_seqlens_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+        for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if isinstance(used, torch.Tensor) and used.numel() and int(used.min()) < 0:
+                raise ValueError(f"{name} must be >= 0, got a minimum of {int(used.min())}")
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
     qs, qe, ks, ke = cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]
     for name, used, start, end in (("seqused_q", seqused_q, qs, "qe"), ("seqused_k", seqused_k, ks, "ke")):
@@ -241,10 +305,12 @@ def flash_attn_varlen_func(
     if seqused_k is not None:
         ke = torch.minimum(ke, ks + seqused_k.long().clamp(min=0))
     q_ranges, k_ranges, mask_types = window_slices(qs, qe, ks, ke, left, right)
-    out, lse = range_attention(
+    # The slices are built from cu_seqlens (checked above in strict mode), so their
+    # values are not checked again: a message about slices would name nothing the
+    # caller wrote.
+    out, lse = attention(
         q, k, v, q_ranges, k_ranges, mask_types,
-        softmax_scale=softmax_scale, softcap=softcap,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale, softcap=softcap, plan=plan, strict=False,
     )
     if not return_attn_probs:
         return out

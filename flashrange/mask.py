@@ -27,21 +27,16 @@ from __future__ import annotations
 
 import torch
 
-from .reference import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, coverage_counts
+from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, TYPE_NAMES
+from .interface import plan_mask
+from .reference import coverage_counts
+from .validation import check_range_values, check_window
+from .window import UNBOUNDED, window_slices
 
-__all__ = ["RangeMask", "bucket_capacity", "window_slices", "FULL", "CAUSAL", "INV_CAUSAL", "BI_CAUSAL"]
-
-_TYPE_NAMES = {FULL: "FULL", CAUSAL: "CAUSAL", INV_CAUSAL: "INV_CAUSAL", BI_CAUSAL: "BI_CAUSAL"}
-
-# Stands for an unbounded window side in int64 arithmetic: larger than any
-# sequence (tokens are < 2**30) and far from overflow.
-_UNBOUNDED = 1 << 40
+__all__ = ["RangeMask", "bucket_capacity"]
 
 # Above this many pairs, the overlap check is done in chunks of slices.
 _PAIR_CHUNK = 1 << 20
-
-# A picture is at most this many pixels on a side; larger masks are averaged.
-_PLOT_PIXELS = 512
 
 
 def bucket_capacity(n: int) -> int:
@@ -70,92 +65,6 @@ def _tri(n):
     return n * (n + 1) // 2
 
 
-def window_slices(qs, qe, ks, ke, left: int, right: int):
-    """Slices covering a FlashAttention window inside each of ``B`` documents.
-
-    Document ``b`` is queries ``[qs[b], qe[b])`` by keys ``[ks[b], ke[b])``
-    (integer tensors of shape ``(B,)``, on any device). With
-    ``off = Lk - Lq``, local query ``i`` attends local key ``j`` when
-    ``i + off - left <= j <= i + off + right`` (FA3's bottom-right window;
-    ``-1`` = unbounded side; causal is ``right = 0``). Integer tensors of
-    any width are accepted (computed in int64).
-
-    The band clipped to the document is at most three slices, whatever the
-    window and length: rows whose band is cut by key 0 (a CAUSAL slice),
-    rows whose band fits (one BI_CAUSAL band) or spans every key (FULL), and
-    rows whose band is cut by the last key (an INV_CAUSAL slice)::
-
-        C C . . . . . .      window_size=(2, 1) on an 8 x 8 document:
-        C C C . . . . .      rows 0-1 CAUSAL (cut by key 0),
-        B B B B . . . .      rows 2-6 one BI_CAUSAL band,
-        . B B B B . . .      row 7 INV_CAUSAL (cut by the last key).
-        . . B B B B . .      A window wider than the document turns
-        . . . B B B B .      the band into FULL rows instead.
-        . . . . B B B B
-        . . . . . I I I
-
-    Elementwise tensor ops only: static shapes, no host sync, so it traces
-    under ``torch.compile`` and runs under CUDA-graph capture. Returns
-    ``q_ranges (P*B, 2)``, ``k_ranges (P*B, 2)``, ``mask_types (P*B,)`` int32,
-    slices of one document consecutive, where ``P`` depends on the window
-    only: 1 when unbounded or causal without a left bound, 2 with one side
-    unbounded, 3 otherwise. Empty slices are exactly ``[0, 0) x [0, 0)`` FULL.
-    """
-    left, right = int(left), int(right)
-    # int64: the unbounded sentinel would overflow int32 arithmetic.
-    qs, qe, ks, ke = (x.to(torch.int64) for x in (qs, qe, ks, ke))
-    lq, lk = qe - qs, ke - ks
-    if left < 0 and right < 0:
-        q0, q1, k0, k1 = qs.unsqueeze(1), qe.unsqueeze(1), ks.unsqueeze(1), ke.unsqueeze(1)
-        types = torch.full_like(q0, FULL)
-    else:
-        lo_w = _UNBOUNDED if left < 0 else left
-        hi_w = _UNBOUNDED if right < 0 else right
-        off = lk - lq
-        zero = torch.zeros_like(lq)
-        a = lo_w - off  # first row whose band starts at key >= 0
-        b = lk - off - hi_w  # first row whose band reaches past the last key
-        e_top = torch.clamp(-(off + hi_w), min=0)  # first row reaching key 0
-        e_bot = lk - off + lo_w  # first row starting after the last key
-        ab_lo, ab_hi = torch.minimum(a, b), torch.maximum(a, b)
-        # CAUSAL: j <= i + off + right, keys from 0.
-        t0 = e_top
-        t1 = torch.maximum(torch.minimum(ab_lo, lq), t0)
-        top = (t0, t1, zero, off + hi_w + t1)
-        # BI_CAUSAL band where it fits, FULL where it spans all keys.
-        m0 = torch.clamp(ab_lo, min=0)
-        m1 = torch.minimum(ab_hi, lq)
-        band = a <= b
-        mid = (
-            m0,
-            m1,
-            torch.where(band, m0 + off - lo_w, zero),
-            torch.where(band, m1 + off + hi_w, lk),
-        )
-        # INV_CAUSAL: j >= i + off - left, keys up to the end.
-        b0 = torch.clamp(ab_hi, min=0)
-        b1 = torch.minimum(lq, e_bot)
-        bot = (b0, b1, b0 + off - lo_w, lk)
-        mid_type = torch.where(band, torch.full_like(lq, BI_CAUSAL), torch.full_like(lq, FULL))
-        pieces = [(top, torch.full_like(lq, CAUSAL)), (mid, mid_type), (bot, torch.full_like(lq, INV_CAUSAL))]
-        # Pieces that are empty for every document, known from the window alone:
-        # no top cut without a right bound, no bottom cut without a left bound,
-        # and a causal window unbounded on the left is its top piece only.
-        if left < 0 and right == 0:
-            pieces = pieces[:1]
-        else:
-            pieces = pieces[(1 if right < 0 else 0):(2 if left < 0 else 3)]
-        q0, q1, k0, k1 = (torch.stack([p[0][c] for p in pieces], dim=1) for c in range(4))
-        types = torch.stack([p[1] for p in pieces], dim=1)
-        q0, q1 = q0 + qs.unsqueeze(1), q1 + qs.unsqueeze(1)
-        k0, k1 = k0 + ks.unsqueeze(1), k1 + ks.unsqueeze(1)
-    empty = (q1 <= q0) | (k1 <= k0)
-    q0, q1, k0, k1, types = (torch.where(empty, torch.zeros_like(x), x) for x in (q0, q1, k0, k1, types))
-    q_ranges = torch.stack([q0, q1], dim=-1).reshape(-1, 2).to(torch.int32)
-    k_ranges = torch.stack([k0, k1], dim=-1).reshape(-1, 2).to(torch.int32)
-    return q_ranges, k_ranges, types.reshape(-1).to(torch.int32)
-
-
 def _cu_seqlens(cu, name):
     """Host int64 tensor from a list / tensor of cumulative lengths, checked."""
     t = torch.as_tensor(cu).detach().to("cpu", torch.int64).reshape(-1)
@@ -166,16 +75,6 @@ def _cu_seqlens(cu, name):
     if t.numel() > 1 and bool((t[1:] < t[:-1]).any()):
         raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got {t.tolist()[:16]}")
     return t
-
-
-def _check_window(window_size):
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from e
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {window_size!r}")
-    return left, right
 
 
 class RangeMask:
@@ -247,6 +146,14 @@ class RangeMask:
         """``(q_ranges, k_ranges, mask_types)``, ready for ``range_attention(q, k, v, *mask.tensors())``."""
         return self.q_ranges, self.k_ranges, self.mask_types
 
+    def plan(self, Tq: int, Tk: int | None = None):
+        """The :class:`~flashrange.plan.RangePlan` of this mask over ``Tq x Tk`` tokens.
+
+        Build it once per step and pass it as ``plan=`` to every attention
+        call that uses the mask (see :func:`flashrange.plan_mask`).
+        """
+        return plan_mask(self.q_ranges, self.k_ranges, self.mask_types, int(Tq), int(Tq if Tk is None else Tk))
+
     def to(self, device) -> "RangeMask":
         """The same mask on ``device`` (``self`` when already there)."""
         moved = tuple(t.to(device) for t in self.tensors())
@@ -260,7 +167,7 @@ class RangeMask:
     def __repr__(self) -> str:
         rows = []
         for (qs, qe), (ks, ke), t in zip(self.q_ranges.tolist()[:8], self.k_ranges.tolist()[:8], self.mask_types.tolist()[:8]):
-            rows.append(f"[{qs}, {qe}) x [{ks}, {ke}) {_TYPE_NAMES.get(t, t)}")
+            rows.append(f"[{qs}, {qe}) x [{ks}, {ke}) {TYPE_NAMES.get(t, t)}")
         more = ", ..." if self.num_slices > 8 else ""
         return f"RangeMask({self.num_slices} slices on {self.device}: " + "; ".join(rows) + more + ")"
 
@@ -337,7 +244,7 @@ class RangeMask:
         cells = torch.where((lq > 0) & (lk > 0), cells, torch.zeros_like(cells))
         return int(cells.sum())
 
-    def _row_spans(self):
+    def row_spans(self):
         """Per slice, the key interval of row ``i`` is ``[max(ks, i + alpha), min(ke, i + beta))``.
 
         Returns int64 host tensors ``qs, qe, ks, ke, alpha, beta`` (``alpha``
@@ -347,7 +254,7 @@ class RangeMask:
         qr, kr = self.q_ranges.cpu().long(), self.k_ranges.cpu().long()
         mt = self.mask_types.cpu().long()
         qs, qe, ks, ke = qr[:, 0], qr[:, 1], kr[:, 0], kr[:, 1]
-        big = torch.full_like(qs, _UNBOUNDED)
+        big = torch.full_like(qs, UNBOUNDED)
         diag_lo = (mt == INV_CAUSAL) | (mt == BI_CAUSAL)
         diag_hi = (mt == CAUSAL) | (mt == BI_CAUSAL)
         alpha = torch.where(diag_lo, ks - qs, -big)
@@ -363,7 +270,7 @@ class RangeMask:
         ``[max(ks, i + alpha), min(ke, i + beta))``, so two slices meet iff an
         integer row solves four linear inequalities. ``O(S^2)`` pairs, in chunks.
         """
-        qs, qe, ks, ke, alpha, beta = self._row_spans()
+        qs, qe, ks, ke, alpha, beta = self.row_spans()
         n = qs.numel()
         if n < 2:
             return None
@@ -397,8 +304,6 @@ class RangeMask:
         (builders never produce that; overlaps are legal but count twice).
         Reads the tensors on the host. Returns ``self``.
         """
-        from .interface import check_range_values
-
         self._check_static()
         check_range_values(self.q_ranges, self.k_ranges, self.mask_types, int(Tq), int(Tk))
         if strict:
@@ -415,71 +320,14 @@ class RangeMask:
         """Write a PNG picture of the mask to ``path`` and return the path.
 
         Cells covered twice are drawn darker; with ``outline`` the rectangle
-        of each non-empty slice is outlined (up to 256 slices). Masks larger
-        than ``512`` pixels a side are averaged into pixels (no dense
-        matrix). ``Tq``/``Tk`` default to the largest range ends. Needs
-        matplotlib (``pip install matplotlib``).
+        of each non-empty slice is outlined (up to 256 slices). Large masks
+        are averaged into pixels (no dense matrix). ``Tq``/``Tk`` default to
+        the largest range ends. Needs matplotlib (``pip install matplotlib``).
         """
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError as e:
-            raise ImportError("RangeMask.plot needs matplotlib: pip install matplotlib") from e
+        from .picture import plot_mask
+
         Tq, Tk = self._sizes(Tq, Tk)
-        img, exact = self._picture(Tq, Tk)
-        fig = Figure(figsize=(5, 5 * max(Tq, 1) / max(Tk, 1) if Tk else 5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        vmax = max(1.0, float(img.max())) if img.numel() else 1.0
-        ax.imshow(
-            img.numpy(), cmap="Blues", vmin=0.0, vmax=vmax, interpolation="nearest",
-            extent=(0, Tk, Tq, 0), aspect="auto",
-        )
-        if outline:
-            qs, qe, ks, ke, _, _ = self._row_spans()
-            live = (qe > qs).nonzero().flatten().tolist()
-            if len(live) <= 256:
-                from matplotlib.patches import Rectangle
-
-                for s in live:
-                    ax.add_patch(Rectangle(
-                        (int(ks[s]), int(qs[s])), int(ke[s] - ks[s]), int(qe[s] - qs[s]),
-                        fill=False, edgecolor="tab:orange", linewidth=1.0,
-                    ))
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        note = "" if exact else " (averaged)"
-        stats = f"{self.num_slices} slices, {self.area()} cells, {Tq}x{Tk}{note}"
-        ax.set_title(stats if title is None else f"{title}\n{stats}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path)
-        return path
-
-    def _picture(self, Tq, Tk):
-        """Float ``(rows, cols)`` image: exact counts when small, else covered fraction per pixel."""
-        if Tq * Tk <= _PLOT_PIXELS * _PLOT_PIXELS and max(Tq, Tk) <= 4 * _PLOT_PIXELS:
-            return self.coverage(Tq, Tk).float().cpu(), True
-        rows = min(Tq, _PLOT_PIXELS)
-        cols = min(Tk, _PLOT_PIXELS)
-        img = torch.zeros(rows, cols, dtype=torch.float64)
-        # Sample one query row per pixel row; average over the keys of a pixel column.
-        sample = (torch.arange(rows, dtype=torch.float64) + 0.5) * Tq / rows
-        sample = sample.long().clamp(max=max(Tq - 1, 0))
-        edges = torch.round(torch.arange(cols + 1, dtype=torch.float64) * Tk / cols).long()
-        width = (edges[1:] - edges[:-1]).clamp(min=1).double()
-        qs, qe, ks, ke, alpha, beta = self._row_spans()
-        for s in range(qs.numel()):
-            on = (sample >= qs[s]) & (sample < qe[s]) & (sample < Tq)
-            if not bool(on.any()):
-                continue
-            i = sample[on]
-            lo = torch.clamp(torch.maximum(ks[s], i + alpha[s]), 0, Tk)
-            hi = torch.clamp(torch.minimum(ke[s], i + beta[s]), 0, Tk)
-            hi = torch.maximum(hi, lo)
-            # Keys of [lo, hi) below each edge: clamp(edge - lo, 0, hi - lo).
-            below = torch.minimum((edges[None, :] - lo[:, None]).clamp(min=0), (hi - lo)[:, None])
-            img[on] += (below[:, 1:] - below[:, :-1]).double() / width
-        return img.float(), False
+        return plot_mask(self, path, Tq, Tk, title=title, outline=outline)
 
     # ---------------------------------------------------------------- builders
 
@@ -560,7 +408,7 @@ class RangeMask:
                 f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
                 f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
             )
-        left, right = _check_window(window_size)
+        left, right = check_window(window_size)
         if causal:
             right = 0
         qr, kr, mt = window_slices(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:], left, right)

@@ -1,18 +1,21 @@
 """The ``flashrange`` torch.library ops: schema, kernels per device, fake impls, autograd.
 
-Two ops carry everything (DESIGN §4, §5):
+Three ops carry everything (docs/design.md, "Layers" and "Compile contract"):
 
-- ``flashrange::fwd(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap) -> (out, lse)``
-- ``flashrange::bwd(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap) -> (dq, dk, dv)``
+- ``flashrange::plan(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan`` (8 int32 tensors)
+- ``flashrange::fwd(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap) -> (out, lse)``
+- ``flashrange::bwd(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
+  -> (dq, dk, dv)``
 
 CPU tensors (and any device without a dedicated kernel) run the reference in
-:mod:`flashrange.reference`. **CUDA slot**: CUDA tensors run the Triton
-kernels of :mod:`flashrange.kernels` when Triton is importable, and the
-reference otherwise; a kernel family is plugged in by
-``_fwd_cuda`` / ``_bwd_cuda`` below, with the reference's signature.
+:mod:`flashrange.reference`, which reads the ranges and ignores the plan.
+CUDA tensors run the Triton kernels of :mod:`flashrange.kernels`, which walk
+the plan, when Triton is importable and the dtype is one they serve
+(float64 always runs the reference). The forward saves the plan for the
+backward, so a training step plans each mask once.
 
-``softmax_scale`` is always resolved to a float before the op (the front-ends
-do it), so the schema holds no optional arguments.
+Arguments are resolved before the ops (the front-ends do it through
+:mod:`flashrange.interface`): the schema holds no optional argument.
 """
 
 from __future__ import annotations
@@ -20,22 +23,51 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from .constants import KERNEL_DTYPES
+from .plan import RangePlan, build_plan_torch, plan_blocks
 
-__all__ = ["fwd", "bwd"]
+__all__ = ["plan", "fwd", "bwd"]
 
 
-def _triton_available(dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels serve this call: 2-byte and fp32 inputs, Triton importable.
-
-    float64 (used by tests for golden results) always runs the reference.
-    """
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+def _triton_serves(dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels serve CUDA tensors of ``dtype`` (Triton importable)."""
+    if dtype not in KERNEL_DTYPES:
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+@torch.library.custom_op("flashrange::plan", mutates_args=())
+def plan(
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, mask_types: torch.Tensor, Tq: int, Tk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk))
+
+
+@plan.register_kernel("cuda")
+def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
+    try:
+        from .kernels.plan import build_plan_triton
+    except ImportError:
+        return tuple(build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk))
+    with torch.cuda.device(q_ranges.device):
+        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
+
+
+@plan.register_fake
+def _plan_fake(q_ranges, k_ranges, mask_types, Tq, Tk):
+    S = mask_types.shape[0]
+    nq, nk = plan_blocks(Tq), plan_blocks(Tk)
+    new = q_ranges.new_empty
+    i32 = torch.int32
+    return (
+        new(S, 5, dtype=i32), new(nq, dtype=i32), new(nq, dtype=i32), new(nq, dtype=i32),
+        new(S, 5, dtype=i32), new(nk, dtype=i32), new(nk, dtype=i32), new(nk, dtype=i32),
+    )
 
 
 @torch.library.custom_op("flashrange::fwd", mutates_args=())
@@ -46,6 +78,7 @@ def fwd(
     q_ranges: torch.Tensor,
     k_ranges: torch.Tensor,
     mask_types: torch.Tensor,
+    plan: list[torch.Tensor],
     softmax_scale: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,16 +86,18 @@ def fwd(
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
-    if _triton_available(q.dtype):
+def _fwd_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
+    if _triton_serves(q.dtype):
         from .kernels.forward import range_attention_forward_triton
 
-        return range_attention_forward_triton(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
+        return range_attention_forward_triton(
+            q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, plan=RangePlan(*plan)
+        )
     return reference.range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
+def _fwd_fake(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     # The reference keeps float64 inputs in float64 (lse included).
     lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -81,6 +116,7 @@ def bwd(
     q_ranges: torch.Tensor,
     k_ranges: torch.Tensor,
     mask_types: torch.Tensor,
+    plan: list[torch.Tensor],
     softmax_scale: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,23 +126,21 @@ def bwd(
 
 
 @bwd.register_kernel("cuda")
-def _bwd_cuda(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
-    if _triton_available(q.dtype):
-        try:
-            from .kernels.backward import range_attention_backward_triton
-        except ImportError:  # the backward kernels have not landed yet
-            range_attention_backward_triton = None
-        if range_attention_backward_triton is not None:
-            return range_attention_backward_triton(
-                dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse
-            )
+def _bwd_cuda(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
+    if _triton_serves(q.dtype):
+        from .kernels.backward import range_attention_backward_triton
+
+        return range_attention_backward_triton(
+            dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse,
+            plan=RangePlan(*plan),
+        )
     return reference.range_attention_backward(
         dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse
     )
 
 
 @bwd.register_fake
-def _bwd_fake(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap):
+def _bwd_fake(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
     # Contiguous like the real kernels' results: empty_like would keep the
     # strides of a permuted (dense) q and mislead the compiled graph's layout.
     return (
@@ -117,24 +151,24 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, sof
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap = inputs
+    q, k, v, q_ranges, k_ranges, mask_types, plan_tensors, softmax_scale, softcap = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_ranges, k_ranges, mask_types)
+    ctx.save_for_backward(q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors)
     ctx.softmax_scale = softmax_scale
     ctx.softcap = softcap
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, q_ranges, k_ranges, mask_types = ctx.saved_tensors
+    q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is None:
         dlse = torch.zeros_like(lse)
     dq, dk, dv = bwd(
-        dout.contiguous(), dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types,
+        dout.contiguous(), dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
         ctx.softmax_scale, ctx.softcap,
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, [None] * len(plan_tensors), None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,22 +1,31 @@
-"""Device-side work lists for the Triton kernels (DESIGN §4).
+"""The plan: device-side work lists for the kernels (docs/design.md, "The plan").
 
-``build_plan`` turns the slice tensors into the lists a block-major kernel
-walks. Everything runs on the slices' device with static shapes: sorts,
-cumulative sums, ``searchsorted`` and ``scatter_add``; never ``.item()``,
-``.tolist()``, ``.cpu()`` nor a shape that depends on tensor values, so it is
-captured by CUDA graphs and traced by ``torch.compile`` unchanged. Extra
-memory is O(T + S).
+A :class:`RangePlan` is plain int32 tensors built from the slice tensors once
+per mask and reused by every call that uses the mask: the forward and the dQ
+kernel walk its query-major half, the dK/dV kernel its key-major half. It is
+built on the slices' device with static shapes (sorts, cumulative sums,
+``searchsorted``, ``scatter_add``; never ``.item()``, ``.tolist()``, ``.cpu()``
+nor a shape that depends on tensor values), so it is traced by
+``torch.compile`` and captured by CUDA graphs unchanged. Extra memory is
+O(T + S).
 
-The plan is kernel-agnostic: plain int32 tensors.
+This module holds the contract and the plain-PyTorch builder; the Triton
+builder (a few launches instead of ~100) lives with the kernels, in
+:mod:`flashrange.kernels.plan`, and gives identical tensors.
+
+Per axis (a :class:`BlockPlan`), with blocks of :data:`~flashrange.constants.PLAN_BLOCK`
+queries (query-major) or keys (key-major):
 
 - ``slices`` ``(S, 5)`` int32, rows ``(qs, qe, ks, ke, type)``, clamped to
   ``[0, Tq]`` / ``[0, Tk]``, in a canonical order that depends only on the
   set of non-empty slices (never on their order in the input nor on padding).
-  Empty slices and slices of unknown type sort last and are never visited.
-- ``block_lo``, ``block_hi`` ``(n_blocks,)`` int32: block ``b`` of the major
-  axis (queries, or keys when ``transpose=True``) must visit slices
-  ``slices[block_lo[b]:block_hi[b]]``; every slice that meets the block is in
-  that window; a few in it may not meet the block and the kernel skips them.
+  Empty slices and slices of unknown type get type ``-1``, sort last and are
+  never visited.
+- ``block_lo``, ``block_hi`` ``(n_blocks,)`` int32: block ``b`` must visit
+  slices ``slices[block_lo[b]:block_hi[b]]``; every slice that meets the
+  block is in that window; a few in it may not meet the block and the kernel
+  skips them. A kernel whose tile is a fraction of the block reads its
+  parent block's window.
 - ``block_order`` ``(n_blocks,)`` int32: the blocks, heaviest first (the
   estimated number of covered cells), so that long programs start first and
   the tail of the grid is made of short ones (longest-processing-time order).
@@ -28,19 +37,86 @@ from typing import NamedTuple
 
 import torch
 
-from .reference import BI_CAUSAL, FULL
+from .constants import BI_CAUSAL, FULL, PLAN_BLOCK
 
-__all__ = ["RangePlan", "build_plan", "build_plan_torch", "canonical_slices", "MAX_TOKENS"]
+__all__ = [
+    "BlockPlan",
+    "RangePlan",
+    "plan_blocks",
+    "check_plan",
+    "canonical_slices",
+    "build_block_plan_torch",
+    "build_plan_torch",
+]
 
-# Canonical sort keys pack two coordinates in one int64: 30 bits each.
-MAX_TOKENS = (1 << 30) - 1
 
+class BlockPlan(NamedTuple):
+    """The work lists of one axis (see the module docstring)."""
 
-class RangePlan(NamedTuple):
     slices: torch.Tensor
     block_lo: torch.Tensor
     block_hi: torch.Tensor
     block_order: torch.Tensor
+
+
+class RangePlan(NamedTuple):
+    """A mask's plan: query-major work lists for the forward and dQ, key-major for dK/dV.
+
+    Build it with :func:`flashrange.plan_mask` (or :meth:`flashrange.RangeMask.plan`)
+    and pass it as ``plan=`` to :func:`flashrange.range_attention` and the
+    front-ends, once per mask however many layers use it. Plain tensors: it
+    can be an input or an intermediate of a compiled function, and a CUDA
+    graph that captures the planning call replays it after in-place updates
+    of the ranges.
+    """
+
+    q_slices: torch.Tensor
+    q_block_lo: torch.Tensor
+    q_block_hi: torch.Tensor
+    q_block_order: torch.Tensor
+    k_slices: torch.Tensor
+    k_block_lo: torch.Tensor
+    k_block_hi: torch.Tensor
+    k_block_order: torch.Tensor
+
+    @property
+    def queries(self) -> BlockPlan:
+        return BlockPlan(*self[:4])
+
+    @property
+    def keys(self) -> BlockPlan:
+        return BlockPlan(*self[4:])
+
+
+def plan_blocks(T):
+    """Blocks of :data:`PLAN_BLOCK` along an axis of ``T`` tokens (works on symbolic sizes)."""
+    return (T + PLAN_BLOCK - 1) // PLAN_BLOCK
+
+
+def check_plan(plan, S, Tq, Tk):
+    """Raise ``ValueError`` unless ``plan`` is a :class:`RangePlan` for ``S`` slices over ``Tq x Tk``.
+
+    Shapes only: free, and valid under ``torch.compile``.
+    """
+    if not isinstance(plan, (tuple, list)) or len(plan) != 8 or not all(isinstance(t, torch.Tensor) for t in plan):
+        raise TypeError(
+            f"plan must be a flashrange.RangePlan (from flashrange.plan_mask), got {type(plan).__name__}"
+        )
+    plan = RangePlan(*plan)
+    want = {
+        "q_slices": (S, 5), "k_slices": (S, 5),
+        "q_block_lo": (plan_blocks(Tq),), "q_block_hi": (plan_blocks(Tq),), "q_block_order": (plan_blocks(Tq),),
+        "k_block_lo": (plan_blocks(Tk),), "k_block_hi": (plan_blocks(Tk),), "k_block_order": (plan_blocks(Tk),),
+    }
+    for name, shape in want.items():
+        t = getattr(plan, name)
+        if tuple(t.shape) != shape or t.dtype != torch.int32:
+            raise ValueError(
+                f"this plan does not fit the call: plan.{name} is {tuple(t.shape)} {t.dtype}, expected {shape} "
+                f"int32 for {S} slices over Tq={Tq}, Tk={Tk}; build it with "
+                "flashrange.plan_mask(q_ranges, k_ranges, mask_types, Tq, Tk) for these tensors"
+            )
+    return plan
 
 
 def _segments(major_len, minor_len, types, transpose):
@@ -119,28 +195,6 @@ def _block_work(starts, segs, valid, T, n_blocks, block):
     return padded.view(n_blocks, block).sum(1)
 
 
-def build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False, backend=None):
-    """Work lists for a kernel whose programs own blocks of ``block`` queries.
-
-    With ``transpose=True`` the programs own blocks of ``block`` keys (the
-    dK/dV backward). `q_ranges`, `k_ranges`: `(S, 2)` int32; `mask_types`:
-    `(S,)` int32; all on the same device. Returns a :class:`RangePlan`.
-
-    ``backend``: ``"triton"`` (three launches, the default on CUDA) or
-    ``"torch"`` (plain PyTorch ops, the default elsewhere); both give
-    identical plans.
-    """
-    if backend is None:
-        backend = "triton" if q_ranges.is_cuda else "torch"
-    if backend == "triton":
-        from .kernels.plan import build_plan_triton
-
-        return build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
-    if backend != "torch":
-        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
-    return build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
-
-
 def canonical_slices(q_ranges, k_ranges, mask_types, Tq, Tk, *, transpose=False):
     """Int64 ``(S, 5)``: the plan's ``slices`` (clamped, canonical order, type -1 when never visited).
 
@@ -165,8 +219,10 @@ def canonical_slices(q_ranges, k_ranges, mask_types, Tq, Tk, *, transpose=False)
     return slices.index_select(0, order)
 
 
-def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False):
-    """:func:`build_plan` in plain PyTorch ops: readable, any device, ~100 small launches."""
+def build_block_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False):
+    """One axis of the plan in plain PyTorch ops: readable, any device, ~50 small launches.
+
+    Blocks of ``block`` queries, or keys with ``transpose=True``. Returns a :class:`BlockPlan`."""
     dev = q_ranges.device
     slices = canonical_slices(q_ranges, k_ranges, mask_types, Tq, Tk, transpose=transpose)
     qs, qe, ks, ke, types = slices.unbind(1)
@@ -175,7 +231,7 @@ def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose
         ms, me, ns, ne, T = ks, ke, qs, qe, Tk
     else:
         ms, me, ns, ne, T = qs, qe, ks, ke, Tq
-    n_blocks = max(1, -(-T // block))
+    n_blocks = -(-T // block)
 
     start_s = torch.where(valid, ms, torch.full_like(ms, T + 1))
     end_s = torch.where(valid, me, torch.zeros_like(me))
@@ -191,9 +247,17 @@ def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose
     work = _block_work(ms, [seg_a, seg_b], valid, T, n_blocks, block)
     block_order = torch.sort(-work, stable=True).indices
 
-    return RangePlan(
+    return BlockPlan(
         slices.to(torch.int32).contiguous(),
         block_lo.to(torch.int32),
         block_hi.to(torch.int32),
         block_order.to(torch.int32),
+    )
+
+
+def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk):
+    """:class:`RangePlan` in plain PyTorch ops (the CPU path; the reference for the Triton builder)."""
+    return RangePlan(
+        *build_block_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk),
+        *build_block_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, transpose=True),
     )

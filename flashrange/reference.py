@@ -10,8 +10,10 @@ Memory stays bounded: query rows are processed in chunks, so the largest
 temporary is ``(Hq, chunk, Tk)`` float32, never ``(Tq, Tk)`` for large inputs.
 
 Ranges are clamped to the tensors and unknown mask types contribute nothing,
-exactly as the kernels do with garbage ranges; eager front-ends validate and
-raise before reaching this code.
+exactly as the kernels do with garbage ranges (strict mode validates and
+raises before reaching this code). Tokens that no slice covers never enter
+the arithmetic: a NaN or Inf in them cannot reach a covered row, as in the
+kernels, which never load them.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import math
 
 import torch
 
-__all__ = ["range_attention_forward", "range_attention_backward", "coverage_counts"]
+from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, MASK_TYPES
 
-FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+__all__ = ["range_attention_forward", "range_attention_backward", "coverage_counts"]
 
 # Upper bound on the elements of one (Hq, chunk, Tk) float32 score block.
 _CHUNK_ELEMENTS = 1 << 24
@@ -37,7 +39,7 @@ def _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk):
     for (qs, qe), (ks, ke), t in zip(qr, kr, mt):
         qs, qe = min(max(qs, 0), Tq), min(max(qe, 0), Tq)
         ks, ke = min(max(ks, 0), Tk), min(max(ke, 0), Tk)
-        if qe <= qs or ke <= ks or t not in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):
+        if qe <= qs or ke <= ks or t not in MASK_TYPES:
             continue
         out.append((qs, qe, ks, ke, t))
     return out
@@ -83,6 +85,18 @@ def coverage_counts(q_ranges, k_ranges, mask_types, Tq, Tk):
     """
     slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
     return _chunk_counts(slices, 0, Tq, Tk, q_ranges.device).to(torch.int32)
+
+
+def _used_only(qc, kf, vf, cnt, doc=None):
+    """Zero the query rows and keys of a chunk that no slice covers (their values never count)."""
+    row_used = (cnt > 0).any(dim=1)
+    key_used = (cnt > 0).any(dim=0)
+    qc = torch.where(row_used[:, None, None], qc, 0.0)
+    kf = torch.where(key_used[:, None, None], kf, 0.0)
+    vf = torch.where(key_used[:, None, None], vf, 0.0)
+    if doc is None:
+        return qc, kf, vf
+    return qc, kf, vf, torch.where(row_used[:, None, None], doc, 0.0)
 
 
 def _chunk_rows(Hq, Tk):
@@ -131,13 +145,15 @@ def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_sca
         cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
         if not bool((cnt > 0).any()):
             continue
-        s = _scores(q[r0:r1].to(acc).view(r1 - r0, Hkv, G, D), kf, scale, softcap)
-        logits = s + torch.log(cnt)  # log(0) = -inf removes uncovered cells
+        qc, kc, vc = _used_only(q[r0:r1].to(acc), kf, vf, cnt)
+        s = _scores(qc.view(r1 - r0, Hkv, G, D), kc, scale, softcap)
+        # log(0) = -inf removes uncovered cells (where(): a NaN score there stays out).
+        logits = torch.where(cnt > 0, s + torch.log(cnt), float("-inf"))
         m = logits.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(logits - m)
         l = p.sum(dim=-1, keepdim=True)
-        o = torch.einsum("ngck,knd->cngd", p, vf)
+        o = torch.einsum("ngck,knd->cngd", p, vc)
         l_c = l.squeeze(-1).permute(2, 0, 1).unsqueeze(-1)  # (C, Hkv, G, 1)
         o = torch.where(l_c > 0, o / l_c.clamp_min(1e-30), torch.zeros_like(o))
         out[r0:r1] = o.reshape(r1 - r0, Hq, Dv)
@@ -166,7 +182,8 @@ def range_attention_backward(
     slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
     if slices and Tq > 0 and Tk > 0:
         kf, vf = k.to(acc), v.to(acc)
-        # delta_i = sum_d dO_i * O_i - dlse_i: the softmax Jacobian's row term.
+        # delta_i = sum_d dO_i * O_i - dlse_i: the softmax Jacobian's row term
+        # (kept only on covered rows, below).
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(acc)
@@ -177,19 +194,23 @@ def range_attention_backward(
             cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
             if not bool((cnt > 0).any()):
                 continue
-            qc = q[r0:r1].to(acc).view(C, Hkv, G, D)
-            s = _scores(qc, kf, scale, softcap)
+            qc, kc, vc, do_c = _used_only(q[r0:r1].to(acc), kf, vf, cnt, dout[r0:r1].to(acc))
+            qc = qc.view(C, Hkv, G, D)
+            s = _scores(qc, kc, scale, softcap)
             lse_c = lse[r0:r1].to(acc).view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
             lse_safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))
-            p = cnt * torch.exp(s - lse_safe)  # rows with lse = -inf get p = 0
-            do_c = dout[r0:r1].to(acc).view(C, Hkv, G, Dv)
+            # Rows with lse = -inf get p = 0; where(): a NaN score on an uncovered cell stays out.
+            p = torch.where(cnt > 0, cnt * torch.exp(s - lse_safe), 0.0)
+            do_c = do_c.view(C, Hkv, G, Dv)
             dv += torch.einsum("ngck,cngd->knd", p, do_c)
-            dp = torch.einsum("cngd,knd->ngck", do_c, vf)
-            delta_c = delta[r0:r1].view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
+            dp = torch.einsum("cngd,knd->ngck", do_c, vc)
+            row_used = (cnt > 0).any(dim=1)[:, None]
+            delta_c = torch.where(row_used, delta[r0:r1], 0.0)
+            delta_c = delta_c.view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
             ds = p * (dp - delta_c)
             if softcap > 0:
-                ds = ds * (1.0 - (s / softcap) ** 2)
+                ds = torch.where(cnt > 0, ds * (1.0 - (s / softcap) ** 2), 0.0)
             ds = ds * scale
-            dq[r0:r1] = torch.einsum("ngck,knd->cngd", ds, kf).reshape(C, Hq, D)
+            dq[r0:r1] = torch.einsum("ngck,knd->cngd", ds, kc).reshape(C, Hq, D)
             dk += torch.einsum("ngck,cngd->knd", ds, qc)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

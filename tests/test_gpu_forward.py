@@ -253,7 +253,7 @@ def test_default_configs_listed():
 
 def test_plan_triton_equals_torch_on_cuda():
     """The plan the kernel uses on CUDA (Triton) equals the plain-PyTorch plan, bit for bit."""
-    from flashrange.plan import build_plan
+    from flashrange.kernels.plan import build_block_plan as build_plan
 
     cases = [(131072, 131072, 4096, False), (32768, 30011, 300, True), (1031, 2053, 64, True), (17, 5, 9, True)]
     for Tq, Tk, S, garbage in cases:

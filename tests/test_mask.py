@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from flashrange import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, RangeMask, bucket_capacity
-from flashrange.mask import window_slices
+from flashrange.picture import mask_image
+from flashrange.window import window_slices
 from golden import fa3_window_counts
 
 
@@ -279,7 +280,7 @@ def test_plot_small_and_large(tmp_path):
     assert _is_png(overlapping.plot(tmp_path / "overlap.png", 9, 9, title="twice"))
     big = RangeMask.varlen([0, 40000, 100000, 131072], causal=True, window_size=(4096, 0))
     assert _is_png(big.plot(tmp_path / "big.png"))
-    img, exact = big._picture(131072, 131072)
+    img, exact = mask_image(big, 131072, 131072)
     assert not exact and img.shape == (512, 512)
     assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0 + 1e-6
 
@@ -288,7 +289,7 @@ def test_plot_picture_density_matches_dense_average():
     """The averaged picture of a mask too big to draw cell by cell equals the dense block mean."""
     T = 1200
     m = RangeMask.varlen([0, 500, 1200], causal=True, window_size=(150, 0))
-    img, exact = m._picture(T, T)
+    img, exact = mask_image(m, T, T)
     assert not exact
     dense = m.to_dense(T, T).double()
     rows = img.shape[0]

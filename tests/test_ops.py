@@ -1,4 +1,4 @@
-"""``torch.library.opcheck`` on the ``flashrange`` ops (DESIGN §5).
+"""``torch.library.opcheck`` on the ``flashrange`` ops (docs/design.md, "Compile contract").
 
 Every default check runs (schema, autograd registration, fake tensor,
 aot_dispatch_dynamic) on ``flashrange::fwd`` and ``flashrange::bwd`` over a
@@ -62,13 +62,23 @@ def _inputs(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, seed, requires_grad):
     return q, k, v, q_ranges, k_ranges, mask_types
 
 
+def _plan(qr, kr, mt, q, k):
+    return list(torch.ops.flashrange.plan(qr, kr, mt, q.shape[0], k.shape[0]))
+
+
+@pytest.mark.parametrize("Tq,Tk,Hq,Hkv,D,Dv,n_slices,n_pad,softcap", CASES)
+def test_opcheck_plan(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, softcap):
+    _, _, _, qr, kr, mt = _inputs(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, 99 + Tq, False)
+    torch.library.opcheck(torch.ops.flashrange.plan.default, (qr, kr, mt, Tq, Tk), test_utils=ALL_TESTS)
+
+
 @pytest.mark.parametrize("requires_grad", [pytest.param(True, id="grad"), pytest.param(False, id="nograd")])
 @pytest.mark.parametrize("Tq,Tk,Hq,Hkv,D,Dv,n_slices,n_pad,softcap", CASES)
 def test_opcheck_fwd(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, softcap, requires_grad):
     q, k, v, qr, kr, mt = _inputs(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, 1234 + Tq, requires_grad)
     scale = 0.3
     torch.library.opcheck(
-        torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, scale, softcap), test_utils=ALL_TESTS
+        torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, _plan(qr, kr, mt, q, k), scale, softcap), test_utils=ALL_TESTS
     )
 
 
@@ -82,7 +92,7 @@ def test_opcheck_bwd(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, softcap):
     dlse = torch.randn(lse.shape, generator=g)
     torch.library.opcheck(
         torch.ops.flashrange.bwd.default,
-        (dout, dlse, q, k, v, out, lse, qr, kr, mt, scale, softcap),
+        (dout, dlse, q, k, v, out, lse, qr, kr, mt, _plan(qr, kr, mt, q, k), scale, softcap),
         test_utils=ALL_TESTS,
     )
 
@@ -90,7 +100,7 @@ def test_opcheck_bwd(Tq, Tk, Hq, Hkv, D, Dv, n_slices, n_pad, softcap):
 def test_fwd_matches_reference_and_grad_flows():
     """The op's CPU kernel is the reference, and autograd reaches q, k, v through out and lse."""
     q, k, v, qr, kr, mt = _inputs(19, 23, 4, 2, 16, 16, 5, 2, 99, True)
-    out, lse = torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, 0.25, 0.0)
+    out, lse = torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, _plan(qr, kr, mt, q, k), 0.25, 0.0)
     ref_out, ref_lse = reference.range_attention_forward(q.detach(), k.detach(), v.detach(), qr, kr, mt, 0.25, 0.0)
     assert torch.equal(out.detach(), ref_out)
     assert torch.equal(lse.detach(), ref_lse)
@@ -124,15 +134,18 @@ def test_opcheck_fwd_garbage_ranges():
     k_ranges = torch.tensor([[0, 7], [-3, 25], [0, 19], [10, 99], [1, 18]], dtype=torch.int32)
     mask_types = torch.tensor([1, 2, 0, 3, 7], dtype=torch.int32)
     torch.library.opcheck(
-        torch.ops.flashrange.fwd.default, (q, k, v, q_ranges, k_ranges, mask_types, 0.35, 0.0), test_utils=ALL_TESTS
+        torch.ops.flashrange.fwd.default, (q, k, v, q_ranges, k_ranges, mask_types, _plan(q_ranges, k_ranges, mask_types, q, k), 0.35, 0.0), test_utils=ALL_TESTS
     )
-    out, lse = torch.ops.flashrange.fwd(q, k, v, q_ranges, k_ranges, mask_types, 0.35, 0.0)
+    out, lse = torch.ops.flashrange.fwd(q, k, v, q_ranges, k_ranges, mask_types, _plan(q_ranges, k_ranges, mask_types, q, k), 0.35, 0.0)
     # Same as the ranges clamped to [0, Tq] / [0, Tk] with the empty and unknown-type slices dropped.
     clamped = torch.ops.flashrange.fwd(
         q, k, v,
         torch.tensor([[0, 6], [4, 13], [0, 13]], dtype=torch.int32),
         torch.tensor([[0, 7], [0, 19], [10, 19]], dtype=torch.int32),
         torch.tensor([1, 2, 3], dtype=torch.int32),
+        _plan(torch.tensor([[0, 6], [4, 13], [0, 13]], dtype=torch.int32),
+              torch.tensor([[0, 7], [0, 19], [10, 19]], dtype=torch.int32),
+              torch.tensor([1, 2, 3], dtype=torch.int32), q, k),
         0.35, 0.0,
     )
     assert torch.isfinite(out).all()
@@ -157,11 +170,11 @@ def test_opcheck_non_contiguous_inputs(layout):
     q, k, v = (_layout(t, layout) for t in (q, k, v))
     assert not q.is_contiguous()
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-    torch.library.opcheck(torch.ops.flashrange.fwd.default, (qg, kg, vg, qr, kr, mt, 0.3, 0.0), test_utils=ALL_TESTS)
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (qg, kg, vg, qr, kr, mt, _plan(qr, kr, mt, q, k), 0.3, 0.0), test_utils=ALL_TESTS)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, 0.3, 0.0)
     g = torch.Generator().manual_seed(8)
     dout = _layout(torch.randn(out.shape, generator=g), layout)
     dlse = torch.randn(lse.shape, generator=g)
     torch.library.opcheck(
-        torch.ops.flashrange.bwd.default, (dout, dlse, q, k, v, out, lse, qr, kr, mt, 0.3, 0.0), test_utils=ALL_TESTS
+        torch.ops.flashrange.bwd.default, (dout, dlse, q, k, v, out, lse, qr, kr, mt, _plan(qr, kr, mt, q, k), 0.3, 0.0), test_utils=ALL_TESTS
     )

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from flashrange.plan import build_plan, build_plan_torch
+from flashrange.kernels.plan import build_block_plan as build_plan
+from flashrange.plan import build_block_plan_torch
 from flashrange.reference import coverage_counts
 
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton-interpreter")]
@@ -99,7 +100,7 @@ def test_heaviest_blocks_first(mtype, transpose):
     kr = torch.tensor([[0, 90], [10, 40], [50, 120]], dtype=torch.int32)
     mt = torch.full((3,), mtype, dtype=torch.int32)
     block = 16
-    plan = build_plan_torch(qr, kr, mt, 101, 120, block, transpose=transpose)
+    plan = build_block_plan_torch(qr, kr, mt, 101, 120, block, transpose=transpose)
     cnt = coverage_counts(qr, kr, mt, 101, 120)
     per_pos = cnt.sum(0) if transpose else cnt.sum(1)
     n = plan.block_order.shape[0]

@@ -572,13 +572,13 @@ def test_import_flashrange_registers_nothing():
 
 def test_from_config_and_set_attn_implementation_select_it(monkeypatch):
     calls = []
-    fwd = frt.ops.fwd
+    fwd = frt.attention
 
-    def counting_fwd(*args):
+    def counting_fwd(*args, **kwargs):
         calls.append(args[0].shape)
-        return fwd(*args)
+        return fwd(*args, **kwargs)
 
-    monkeypatch.setattr(frt.ops, "fwd", counting_fwd)
+    monkeypatch.setattr(frt, "attention", counting_fwd)
     cfg, _ = _config("llama")
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flashrange")
     assert model.config._attn_implementation == "flashrange"
@@ -615,7 +615,9 @@ def test_error_dense_4d_mask():
         _llama()(input_ids=torch.randint(1, VOCAB, (1, 6)), attention_mask=bias, use_cache=False)
 
 
-def test_error_mask_with_holes():
+def test_error_mask_with_holes(monkeypatch):
+    """Strict mode (a host read, so never by default) reports a padding mask with holes."""
+    monkeypatch.setenv("FLASHRANGE_STRICT", "1")
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, 3] = 0
     with pytest.raises(ValueError, match="holes"):

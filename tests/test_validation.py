@@ -56,13 +56,13 @@ def test_validate_rechecks_static_properties_after_reassignment():
 
 
 VALUE_ERRORS = [
-    pytest.param([[0, 5], [2, 9]], [[0, 5], [0, 5]], [FULL, FULL], r"slice 1: q range \[2, 9\) lies outside \[0, Tq=8\]", id="q-past-end"),
-    pytest.param([[0, 5]], [[-1, 5]], [FULL], r"slice 0: k range \[-1, 5\) lies outside \[0, Tk=6\]", id="k-negative"),
-    pytest.param([[0, 5]], [[0, 7]], [CAUSAL], r"slice 0: k range \[0, 7\) lies outside \[0, Tk=6\]", id="k-past-end"),
-    pytest.param([[0, 0], [4, 2]], [[0, 0], [0, 3]], [FULL, FULL], r"slice 1: start after end.*\[0, 0\) for an empty padding", id="q-reversed"),
+    pytest.param([[0, 5], [2, 9]], [[0, 5], [0, 5]], [FULL, FULL], r"slice 1: q_ranges\[1\] = \[2, 9\) lies outside \[0, Tq=8\]", id="q-past-end"),
+    pytest.param([[0, 5]], [[-1, 5]], [FULL], r"slice 0: k_ranges\[0\] = \[-1, 5\) lies outside \[0, Tk=6\]", id="k-negative"),
+    pytest.param([[0, 5]], [[0, 7]], [CAUSAL], r"slice 0: k_ranges\[0\] = \[0, 7\) lies outside \[0, Tk=6\]", id="k-past-end"),
+    pytest.param([[0, 0], [4, 2]], [[0, 0], [0, 3]], [FULL, FULL], r"slice 1: start after end.*use \[0, 0\) for a padding slice", id="q-reversed"),
     pytest.param([[0, 2]], [[5, 3]], [FULL], r"slice 0: start after end", id="k-reversed"),
-    pytest.param([[0, 2], [0, 2]], [[0, 2], [0, 2]], [FULL, 4], r"slice 1: unknown mask type 4; valid types are 0 \(FULL\)", id="type-4"),
-    pytest.param([[0, 2]], [[0, 2]], [-1], r"slice 0: unknown mask type -1", id="type-negative"),
+    pytest.param([[0, 2], [0, 2]], [[0, 2], [0, 2]], [FULL, 4], r"slice 1: unknown mask type (mask_types|attn_type_map)\[1\] = 4; valid types are 0 \(FULL\)", id="type-4"),
+    pytest.param([[0, 2]], [[0, 2]], [-1], r"slice 0: unknown mask type (mask_types|attn_type_map)\[0\] = -1", id="type-negative"),
 ]
 
 
@@ -79,9 +79,32 @@ def test_range_attention_and_ffa_raise_the_same(q_ranges, k_ranges, types, messa
     k = torch.randn(6, 1, 8)
     m = RangeMask(q_ranges, k_ranges, types)
     with pytest.raises(ValueError, match=message):
-        range_attention(q, k, k, *m.tensors())
+        range_attention(q, k, k, *m.tensors(), strict=True)
     with pytest.raises(ValueError, match=message):
-        flex_flash_attn_func(q, k, k, m.q_ranges, m.k_ranges, m.mask_types)
+        flex_flash_attn_func(q, k, k, m.q_ranges, m.k_ranges, m.mask_types, strict=True)
+
+
+@pytest.mark.parametrize("q_ranges, k_ranges, types, message", VALUE_ERRORS)
+def test_strict_mode_from_the_environment(q_ranges, k_ranges, types, message, monkeypatch):
+    q = torch.randn(8, 2, 8)
+    k = torch.randn(6, 1, 8)
+    m = RangeMask(q_ranges, k_ranges, types)
+    monkeypatch.setenv("FLASHRANGE_STRICT", "1")
+    with pytest.raises(ValueError, match=message):
+        range_attention(q, k, k, *m.tensors())
+    # An explicit argument wins over the environment.
+    out, lse = range_attention(q, k, k, *m.tensors(), strict=False)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("q_ranges, k_ranges, types, message", VALUE_ERRORS)
+def test_default_calls_clamp_instead_of_reading_values(q_ranges, k_ranges, types, message):
+    """Without strict mode no value is read on the host: bad slices are clamped or dropped, never a fault."""
+    q = torch.randn(8, 2, 8)
+    k = torch.randn(6, 1, 8)
+    m = RangeMask(q_ranges, k_ranges, types)
+    out, lse = range_attention(q, k, k, *m.tensors())
+    assert out.shape == (8, 2, 8) and torch.isfinite(out).all()
 
 
 def test_validate_strict_reports_overlap_with_a_cell():
@@ -163,7 +186,7 @@ FA_ERRORS = [
     pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(S=6)), ValueError, r"k and v must share the sequence length, got 5 and 6", id="fa-kv-len"),
     pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(), window_size=(-3, 0)), ValueError, r"window_size sides must be >= 0, or -1", id="fa-window"),
     pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(), window_size=None), ValueError, r"window_size must be a pair", id="fa-window-none"),
-    pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(), softcap=-1.0), ValueError, r"softcap must be >= 0", id="fa-softcap"),
+    pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(), softcap=-1.0), ValueError, r"softcap must be a finite number >= 0", id="fa-softcap"),
     pytest.param(lambda: flash_attn_func(_bshd(), _bshd(H=3), _bshd(H=3)), ValueError, r"multiple of the number of key/value heads", id="fa-heads"),
     pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(), qv=_bshd()), NotImplementedError, r"does not implement FA3's qv", id="fa-qv"),
     pytest.param(lambda: flash_attn_func(_bshd(), _bshd(), _bshd(), attention_chunk=4), NotImplementedError, r"attention_chunk.*RangeMask\.chunked_causal", id="fa-chunk"),
@@ -195,8 +218,8 @@ VARLEN_ERRORS = [
                  r"same length \(B \+ 1\), got 3 and 2", id="cu-mismatch"),
     pytest.param(lambda: flash_attn_varlen_func(_packed(), _packed(), _packed(), CU, CU, 6, 6, seqused_q=_t([1, 2, 3])),
                  r"seqused_q must be a \(B,\) = \(2,\) int32 tensor", id="seqused-shape"),
-    pytest.param(lambda: flash_attn_varlen_func(_packed(), _packed(), _packed(), _t([0, 4, 12]), CU, 6, 6),
-                 r"slice \d+: q range \[4, 12\) lies outside \[0, Tq=10\]", id="cu-past-end"),
+    pytest.param(lambda: flash_attn_varlen_func(_packed(), _packed(), _packed(), _t([0, 4, 12]), CU, 6, 6, strict=True),
+                 r"cu_seqlens_q\[-1\] = 12 is more than the 10 tokens", id="cu-past-end"),
     pytest.param(lambda: flash_attn_varlen_func(_packed(), _packed(), _packed(), CU, CU, 6, 6, window_size=(1, -5)),
                  r"window_size sides must be >= 0, or -1", id="varlen-window"),
     pytest.param(lambda: flash_attn_varlen_func(_packed(D=8), _packed(D=4), _packed(D=4), CU, CU, 6, 6),
@@ -213,15 +236,15 @@ def test_flash_attn_varlen_func_errors(call, message):
 def test_flex_flash_attn_func_errors():
     q = torch.randn(6, 2, 8)
     qr = _t([[0, 6]])
-    with pytest.raises(NotImplementedError, match=r"attention sinks.*sink=None"):
+    with pytest.raises(NotImplementedError, match=r"does not implement sink=.*default \(None\)"):
         flex_flash_attn_func(q, q, q, qr, qr, sink=torch.zeros(1, 2))
-    with pytest.raises(NotImplementedError, match=r"index-sparse attention.*RangeMask\.block_sparse"):
+    with pytest.raises(NotImplementedError, match=r"does not implement index_sparse_indices="):
         flex_flash_attn_func(q, q, q, qr, qr, index_sparse_indices=torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match=r"max logits"):
+    with pytest.raises(NotImplementedError, match=r"return_max_logits=True"):
         flex_flash_attn_func(q, q, q, qr, qr, return_max_logits=True)
-    with pytest.raises(ValueError, match=r"attn_type_map must be an int32 tensor of shape \(S,\) or None"):
+    with pytest.raises(TypeError, match=r"attn_type_map must be an int32 tensor of shape \(S,\), a list of ints or None"):
         flex_flash_attn_func(q, q, q, qr, qr, 6, 6, "causal")
     with pytest.raises(ValueError, match=r"q_ranges must be an int32 tensor of shape \(S, 2\)"):
         flex_flash_attn_func(q, q, q, [[0, 6]], qr)
-    with pytest.raises(ValueError, match=r"mask_types must be int32, got torch\.int64"):
+    with pytest.raises(ValueError, match=r"attn_type_map must be int32, got torch\.int64"):
         flex_flash_attn_func(q, q, q, qr, qr, torch.tensor([1]))

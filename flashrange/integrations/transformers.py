@@ -36,7 +36,7 @@ What each layer gets (``S_q`` queries, ``S_k`` keys per row, ``B`` rows):
 - **Causal** layers get one bottom-right-aligned ``CAUSAL`` slice per
   document; **sliding-window** layers the window ``0 <= q - k < sliding_window``
   (transformers' ``kv_idx > q_idx - sliding_window``), as at most three
-  slices per document (:func:`flashrange.mask.window_slices`).
+  slices per document (:func:`flashrange.window.window_slices`).
 - **Bidirectional** layers (encoders, ``is_causal=False``, cross-attention):
   every query of a row attends the row's unpadded keys (``FULL`` slices).
 - GQA/MQA, the module's ``scaling`` and ``softcap`` (Gemma-2's
@@ -45,7 +45,7 @@ What each layer gets (``S_q`` queries, ``S_k`` keys per row, ``B`` rows):
 Unsupported inputs raise ``ValueError`` / ``NotImplementedError`` with what
 to do instead: dense 4-D masks or additive biases, attention dropout > 0,
 ``output_attentions=True``, attention sinks (``s_aux``), position biases,
-masks with holes (eager check), static KV caches, chunked attention,
+masks with holes (checked in strict mode, ``FLASHRANGE_STRICT=1``), static KV caches, chunked attention,
 bidirectional sliding windows and custom mask overlays (``or_mask_function``
 or ``and_mask_function``, e.g. bidirectional image tokens).
 """
@@ -63,10 +63,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "pip install 'flashrange[transformers]'"
     ) from e
 
-from .. import ops
-from ..interface import _values_checkable, check_inputs, check_range_values, resolve_scale
-from ..mask import window_slices
-from ..reference import CAUSAL
+from ..constants import CAUSAL
+from ..interface import attention
+from ..validation import strict_enabled, values_readable
+from ..window import window_slices
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -122,8 +122,10 @@ def _padding_documents(mask, Sq, Sk, causal):
     # argmax returns the first maximal index: the first 1, and from the end the last 1.
     first = torch.where(has_keys, torch.argmax(m, dim=1), zero)
     end = torch.where(has_keys, Sk - torch.argmax(m.flip(1), dim=1), zero)
-    # Every layer gets the same mask object: check it (a host sync) once per forward, not per layer.
-    if _values_checkable(mask) and getattr(mask, "_flashrange_checked_version", None) != mask._version:
+    # Strict mode only (a host sync); every layer gets the same mask object, so it is
+    # checked once per forward, not per layer.
+    if (strict_enabled(None) and values_readable(mask)
+            and getattr(mask, "_flashrange_checked_version", None) != mask._version):
         lengths = m.sum(dim=1)
         bad = lengths != (end - first)
         if bool(bad.any()):
@@ -318,14 +320,13 @@ def flashrange_attention_forward(
     q = query.transpose(1, 2).reshape(B * Sq, Hq, D)
     k = key.transpose(1, 2).reshape(B * Sk, Hkv, D)
     v = value.transpose(1, 2).reshape(B * Sk, Hkv, value.shape[-1])
-    check_inputs(q, k, v, q_ranges, k_ranges, mask_types)
-    if attention_mask is None and causal and cu_q is not None and _values_checkable(q_ranges):
-        # Only user-given cu_seq_lens can be out of bounds; the other builders cannot.
-        check_range_values(q_ranges, k_ranges, mask_types, q.shape[0], k.shape[0])
-    softcap = 0.0 if softcap is None else float(softcap)
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 or None disables it), got {softcap}")
-    out, _ = ops.fwd(q, k, v, q_ranges, k_ranges, mask_types, resolve_scale(scaling, D), softcap)
+    # Only user-given cu_seq_lens can be out of bounds (the other builders cannot): their
+    # values are checked in strict mode (FLASHRANGE_STRICT=1), like every range.
+    out, _ = attention(
+        q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=scaling,
+        softcap=0.0 if softcap is None else softcap,
+        strict=None if (attention_mask is None and causal and cu_q is not None) else False,
+    )
     return out.view(B, Sq, Hq, v.shape[-1]), None
 
 

@@ -1,4 +1,4 @@
-"""Triton backward of range attention: dQ, dK, dV (DESIGN §4).
+"""Triton backward of range attention: dQ, dK, dV (docs/design.md, "Backward").
 
 Three launches, no atomics, so every gradient is bitwise reproducible:
 
@@ -23,16 +23,26 @@ not on the order of the slice list nor on empty slices in it.
 
 from __future__ import annotations
 
-import math
-import os
-from typing import NamedTuple
+import contextlib
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from ..plan import build_plan
-from ._mask import key_span, query_span, slice_diagonals
+from ..validation import resolve_scale
+from .common import (
+    DEV_LOG2E,
+    DEV_NO_DIAGONAL,
+    interpreting,
+    key_span,
+    needs_int64,
+    pad_dim,
+    plan_split,
+    query_span,
+    slice_diagonals,
+)
+from .plan import build_plan
 
 __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
 
@@ -40,18 +50,18 @@ __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
 @triton.jit
 def _tanh(x):
     # Portable across Triton versions (no libdevice); saturates to +-1 cleanly.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * DEV_LOG2E)) + 1.0)
 
 
 @triton.jit
-def _cast(x, dtype: tl.constexpr, EMU_BF16: tl.constexpr):
-    """``x.to(dtype)``; with ``EMU_BF16``, float32 rounded to bfloat16 values instead.
+def _cast(x, dtype: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
+    """``x.to(dtype)``; with ``IS_BF16_EMULATED``, float32 rounded to bfloat16 values instead.
 
     The Triton interpreter cannot multiply bfloat16 and truncates when it
     converts to it; emulating keeps the GPU's numerics (operands rounded to
     nearest even, float32 accumulation) in CPU tests.
     """
-    if EMU_BF16:
+    if IS_BF16_EMULATED:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True)
@@ -63,7 +73,7 @@ def _cast(x, dtype: tl.constexpr, EMU_BF16: tl.constexpr):
 # divisible by 16) would build a new kernel for each combination.
 @triton.jit(do_not_specialize=["Tq", "DV"])
 def _bwd_preprocess(
-    O, DO, LSE, DLSE, DELTA, LSE2,
+    o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,
     Tq, DV,
     stride_ot, stride_oh, stride_dot, stride_doh,
     stride_lt, stride_lh, stride_dlt, stride_dlh,
@@ -76,29 +86,29 @@ def _bwd_preprocess(
     mask_m = offs_m < Tq
     mask = mask_m[:, None] & (offs_d[None, :] < DV)
     rows = offs_m.to(tl.int64)
-    o = tl.load(O + pid_h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + pid_h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(o_ptr + pid_h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + pid_h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + pid_h * stride_dlh + rows * stride_dlt, mask=mask_m, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + pid_h * stride_lh + rows * stride_lt, mask=mask_m, other=0.0).to(tl.float32)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(DELTA + pid_h * Tq + offs_m, delta, mask=mask_m)
-    tl.store(LSE2 + pid_h * Tq + offs_m, lse2, mask=mask_m)
+        delta -= tl.load(dlse_ptr + pid_h * stride_dlh + rows * stride_dlt, mask=mask_m, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + pid_h * stride_lh + rows * stride_lt, mask=mask_m, other=0.0).to(tl.float32)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * DEV_LOG2E)
+    tl.store(delta_ptr + pid_h * Tq + offs_m, delta, mask=mask_m)
+    tl.store(lse2_ptr + pid_h * Tq + offs_m, lse2, mask=mask_m)
 
 
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v,
-    Q_h, DO_h, LSE2_h, DELTA_h,
+    q_head_ptr, do_head_ptr, lse2_head_ptr, delta_head_ptr,
     first_m, n_first, second_m, n_tiles, m_lo, m_hi,
     offs_n, offs_d, offs_dv,
     stride_qt, stride_dot,
     qs, qe, ks, ke, mtype,
     D, DV, qk_scale2, scale, softcap,
-    IS_MASKED: tl.constexpr, IS_SOFTCAP: tl.constexpr,
-    PAD_D: tl.constexpr, PAD_DV: tl.constexpr, ROW64: tl.constexpr,
-    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, IS_INT64: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Accumulate ``n_tiles`` query tiles into one key block.
 
@@ -110,32 +120,32 @@ def _dkdv_tiles(
     """
     has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
     # Diagonal bounds of key - row; a side the type does not cut is unbounded.
-    d_hi = tl.where(has_upper, d_max, 1 << 30)
-    d_lo = tl.where(has_lower, d_min, -(1 << 30))
+    d_hi = tl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+    d_lo = tl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
     for t in range(0, n_tiles):
         start = tl.where(t < n_first, first_m + t * BLOCK_M, second_m + (t - n_first) * BLOCK_M)
         offs_m = start + tl.arange(0, BLOCK_M)
         rows = offs_m
-        if ROW64:
+        if IS_INT64:
             rows = offs_m.to(tl.int64)
-        q_ptrs = Q_h + rows[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = DO_h + rows[:, None] * stride_dot + offs_dv[None, :]
+        q_ptrs = q_head_ptr + rows[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = do_head_ptr + rows[:, None] * stride_dot + offs_dv[None, :]
         if IS_MASKED:
             mask_m = (offs_m >= m_lo) & (offs_m < m_hi)
             q = tl.load(q_ptrs, mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
-            lse2 = tl.load(LSE2_h + offs_m, mask=mask_m, other=float("inf"))
+            lse2 = tl.load(lse2_head_ptr + offs_m, mask=mask_m, other=float("inf"))
         else:
-            if PAD_D:
+            if IS_D_PADDED:
                 q = tl.load(q_ptrs, mask=offs_d[None, :] < D, other=0.0)
             else:
                 q = tl.load(q_ptrs)
-            lse2 = tl.load(LSE2_h + offs_m)
-        if EMU_BF16:
+            lse2 = tl.load(lse2_head_ptr + offs_m)
+        if IS_BF16_EMULATED:
             q = q.to(tl.float32)
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-        if IS_SOFTCAP:
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
             th = _tanh(qkT * (scale / softcap))
-            pT = tl.exp2(th * (softcap * 1.4426950408889634) - lse2[None, :])
+            pT = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[None, :])
         else:
             pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
         if IS_MASKED:
@@ -145,40 +155,43 @@ def _dkdv_tiles(
             cell = ((offs_n >= ks) & (offs_n < ke))[:, None] & (diag <= d_hi) & (diag >= d_lo)
             pT = tl.where(cell, pT, 0.0)
             do = tl.load(do_ptrs, mask=mask_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            delta = tl.load(DELTA_h + offs_m, mask=mask_m, other=0.0)
+            delta = tl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
         else:
-            if PAD_DV:
+            if IS_DV_PADDED:
                 do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
             else:
                 do = tl.load(do_ptrs)
-            delta = tl.load(DELTA_h + offs_m)
-        if EMU_BF16:
+            delta = tl.load(delta_head_ptr + offs_m)
+        if IS_BF16_EMULATED:
             do = do.to(tl.float32)
-        dv += tl.dot(_cast(pT, do.dtype, EMU_BF16), do, input_precision=DOT_PREC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        dv += tl.dot(_cast(pT, do.dtype, IS_BF16_EMULATED), do, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
-        if IS_SOFTCAP:
+        if HAS_SOFTCAP:
             dsT = dsT * (1.0 - th * th)
-        dk += tl.dot(_cast(dsT, q.dtype, EMU_BF16), q, input_precision=DOT_PREC)
+        dk += tl.dot(_cast(dsT, q.dtype, IS_BF16_EMULATED), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV_,
-    SLICES, BLOCK_LO, BLOCK_HI, BLOCK_ORDER,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, Hkv, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     scale, softcap,
-    IS_SOFTCAP: tl.constexpr, ROW64: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
-    PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, IS_INT64: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr,
+    IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Heaviest key blocks first; all heads of one block are neighbours in the grid.
+    # A program owns tile pid // Hkv % SPLIT of its plan block and reads the block's window.
     pid = tl.program_id(0)
     pid_hk = pid % Hkv
-    pid_n = tl.load(BLOCK_ORDER + pid // Hkv)
+    pid_rank = pid // Hkv
+    pid_plan = tl.load(block_order_ptr + pid_rank // SPLIT)
+    pid_n = pid_plan * SPLIT + pid_rank % SPLIT
     c0 = pid_n * BLOCK_N
     c1 = tl.minimum(c0 + BLOCK_N, Tk)
     offs_n = c0 + tl.arange(0, BLOCK_N)
@@ -187,29 +200,29 @@ def _bwd_dkdv_kernel(
     mask_n = offs_n < Tk
     cols = offs_n.to(tl.int64)
     hk = pid_hk.to(tl.int64)
-    k = tl.load(K + hk * stride_kh + cols[:, None] * stride_kt + offs_d[None, :],
+    k = tl.load(k_ptr + hk * stride_kh + cols[:, None] * stride_kt + offs_d[None, :],
                 mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + hk * stride_vh + cols[:, None] * stride_vt + offs_dv[None, :],
+    v = tl.load(v_ptr + hk * stride_vh + cols[:, None] * stride_vt + offs_dv[None, :],
                 mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    if EMU_BF16:
+    if IS_BF16_EMULATED:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    qk_scale2 = scale * 1.4426950408889634
+    qk_scale2 = scale * DEV_LOG2E
 
-    s_lo = tl.load(BLOCK_LO + pid_n)
-    s_hi = tl.load(BLOCK_HI + pid_n)
+    s_lo = tl.load(block_lo_ptr + pid_plan)
+    s_hi = tl.load(block_hi_ptr + pid_plan)
     # One loop over (slice, query head of the group): a shallower loop nest
     # keeps fewer values live around the tile loops (registers).
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         g = sg - s * G
-        qs = tl.load(SLICES + s * 5)
-        qe = tl.load(SLICES + s * 5 + 1)
-        ks = tl.load(SLICES + s * 5 + 2)
-        ke = tl.load(SLICES + s * 5 + 3)
-        mtype = tl.load(SLICES + s * 5 + 4)
+        qs = tl.load(slices_ptr + s * 5)
+        qe = tl.load(slices_ptr + s * 5 + 1)
+        ks = tl.load(slices_ptr + s * 5 + 2)
+        ke = tl.load(slices_ptr + s * 5 + 3)
+        mtype = tl.load(slices_ptr + s * 5 + 4)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
         m_lo, m_hi = query_span(c0, c1, qs, qe, ks, ke, mtype)
         # Rows that read every key of the block form one run [f_lo, f_hi).
@@ -225,77 +238,77 @@ def _bwd_dkdv_kernel(
         post = f_lo + n_full * BLOCK_M
         n_post = tl.cdiv(m_hi - post, BLOCK_M)
         h = (pid_hk * G + g).to(tl.int64)
-        Q_h = Q + h * stride_qh
-        DO_h = DO + h * stride_doh
-        LSE2_h = LSE2 + h * Tq
-        DELTA_h = DELTA + h * Tq
+        q_head_ptr = q_ptr + h * stride_qh
+        do_head_ptr = do_ptr + h * stride_doh
+        lse2_head_ptr = lse2_ptr + h * Tq
+        delta_head_ptr = delta_ptr + h * Tq
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
+            dk, dv, k, v, q_head_ptr, do_head_ptr, lse2_head_ptr, delta_head_ptr,
             f_lo, n_full, f_lo, n_full, m_lo, m_hi,
             offs_n, offs_d, offs_dv, stride_qt, stride_dot,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
+            False, HAS_SOFTCAP, IS_D_PADDED, IS_DV_PADDED, IS_INT64, DOT_PRECISION, IS_BF16_EMULATED, BLOCK_M,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Q_h, DO_h, LSE2_h, DELTA_h,
+            dk, dv, k, v, q_head_ptr, do_head_ptr, lse2_head_ptr, delta_head_ptr,
             f_lo - n_pre * BLOCK_M, n_pre, post, n_pre + n_post, m_lo, m_hi,
             offs_n, offs_d, offs_dv, stride_qt, stride_dot,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_M,
+            True, HAS_SOFTCAP, IS_D_PADDED, IS_DV_PADDED, IS_INT64, DOT_PRECISION, IS_BF16_EMULATED, BLOCK_M,
         )
 
     dk = dk * scale
-    tl.store(DK + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
-             _cast(dk, DK.dtype.element_ty, EMU_BF16), mask=mask_n[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + hk * stride_dvh + cols[:, None] * stride_dvt + offs_dv[None, :],
-             _cast(dv, DV_.dtype.element_ty, EMU_BF16), mask=mask_n[:, None] & (offs_dv[None, :] < DV))
+    tl.store(dk_ptr + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
+             _cast(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_n[:, None] & (offs_d[None, :] < D))
+    tl.store(dv_ptr + hk * stride_dvh + cols[:, None] * stride_dvt + offs_dv[None, :],
+             _cast(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_n[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta,
-    K_h, V_h,
+    k_head_ptr, v_head_ptr,
     first_n, n_first, second_n, n_tiles, n_lo, n_hi,
     offs_m, offs_d, offs_dv,
     stride_kt, stride_vt,
     qs, qe, ks, ke, mtype,
     D, DV, qk_scale2, scale, softcap,
-    IS_MASKED: tl.constexpr, IS_SOFTCAP: tl.constexpr,
-    PAD_D: tl.constexpr, PAD_DV: tl.constexpr, ROW64: tl.constexpr,
-    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, IS_INT64: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate ``n_tiles`` key tiles into one query block (two runs, as :func:`_dkdv_tiles`)."""
     has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
-    d_hi = tl.where(has_upper, d_max, 1 << 30)
-    d_lo = tl.where(has_lower, d_min, -(1 << 30))
+    d_hi = tl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+    d_lo = tl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
     for t in range(0, n_tiles):
         start = tl.where(t < n_first, first_n + t * BLOCK_N, second_n + (t - n_first) * BLOCK_N)
         offs_n = start + tl.arange(0, BLOCK_N)
         cols = offs_n
-        if ROW64:
+        if IS_INT64:
             cols = offs_n.to(tl.int64)
-        k_ptrs = K_h + cols[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V_h + cols[:, None] * stride_vt + offs_dv[None, :]
+        k_ptrs = k_head_ptr + cols[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_head_ptr + cols[:, None] * stride_vt + offs_dv[None, :]
         if IS_MASKED:
             mask_n = (offs_n >= n_lo) & (offs_n < n_hi)
             k = tl.load(k_ptrs, mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
             v = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
         else:
-            if PAD_D:
+            if IS_D_PADDED:
                 k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
             else:
                 k = tl.load(k_ptrs)
-            if PAD_DV:
+            if IS_DV_PADDED:
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
             else:
                 v = tl.load(v_ptrs)
-        if EMU_BF16:
+        if IS_BF16_EMULATED:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if IS_SOFTCAP:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
             th = _tanh(qk * (scale / softcap))
-            p = tl.exp2(th * (softcap * 1.4426950408889634) - lse2[:, None])
+            p = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[:, None])
         else:
             p = tl.exp2(qk * qk_scale2 - lse2[:, None])
         if IS_MASKED:
@@ -304,29 +317,31 @@ def _dq_tiles(
             cell = (((offs_m >= qs) & (offs_m < qe))[:, None] & ((offs_n >= n_lo) & (offs_n < n_hi))[None, :]
                     & (diag <= d_hi) & (diag >= d_lo))
             p = tl.where(cell, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        if IS_SOFTCAP:
+        if HAS_SOFTCAP:
             ds = ds * (1.0 - th * th)
-        dq += tl.dot(_cast(ds, k.dtype, EMU_BF16), k, input_precision=DOT_PREC)
+        dq += tl.dot(_cast(ds, k.dtype, IS_BF16_EMULATED), k, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ,
-    SLICES, BLOCK_LO, BLOCK_HI, BLOCK_ORDER,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dq_ptr,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     scale, softcap,
-    IS_SOFTCAP: tl.constexpr, ROW64: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
-    PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, IS_INT64: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr,
+    IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_h = pid % Hq
-    pid_m = tl.load(BLOCK_ORDER + pid // Hq)
+    pid_rank = pid // Hq
+    pid_plan = tl.load(block_order_ptr + pid_rank // SPLIT)
+    pid_m = pid_plan * SPLIT + pid_rank % SPLIT
     r0 = pid_m * BLOCK_M
     r1 = tl.minimum(r0 + BLOCK_M, Tq)
     offs_m = r0 + tl.arange(0, BLOCK_M)
@@ -336,29 +351,29 @@ def _bwd_dq_kernel(
     rows = offs_m.to(tl.int64)
     h = pid_h.to(tl.int64)
     hk = (pid_h // G).to(tl.int64)
-    q = tl.load(Q + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+    q = tl.load(q_ptr + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
                 mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + h * stride_doh + rows[:, None] * stride_dot + offs_dv[None, :],
+    do = tl.load(do_ptr + h * stride_doh + rows[:, None] * stride_dot + offs_dv[None, :],
                  mask=mask_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    if EMU_BF16:
+    if IS_BF16_EMULATED:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     # Rows past Tq get lse = +inf: p = 0 there, whatever the tile.
-    lse2 = tl.load(LSE2 + h * Tq + offs_m, mask=mask_m, other=float("inf"))
-    delta = tl.load(DELTA + h * Tq + offs_m, mask=mask_m, other=0.0)
-    K_h = K + hk * stride_kh
-    V_h = V + hk * stride_vh
+    lse2 = tl.load(lse2_ptr + h * Tq + offs_m, mask=mask_m, other=float("inf"))
+    delta = tl.load(delta_ptr + h * Tq + offs_m, mask=mask_m, other=0.0)
+    k_head_ptr = k_ptr + hk * stride_kh
+    v_head_ptr = v_ptr + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale2 = scale * 1.4426950408889634
+    qk_scale2 = scale * DEV_LOG2E
 
-    s_lo = tl.load(BLOCK_LO + pid_m)
-    s_hi = tl.load(BLOCK_HI + pid_m)
+    s_lo = tl.load(block_lo_ptr + pid_plan)
+    s_hi = tl.load(block_hi_ptr + pid_plan)
     for s in range(s_lo, s_hi):
-        qs = tl.load(SLICES + s * 5)
-        qe = tl.load(SLICES + s * 5 + 1)
-        ks = tl.load(SLICES + s * 5 + 2)
-        ke = tl.load(SLICES + s * 5 + 3)
-        mtype = tl.load(SLICES + s * 5 + 4)
+        qs = tl.load(slices_ptr + s * 5)
+        qe = tl.load(slices_ptr + s * 5 + 1)
+        ks = tl.load(slices_ptr + s * 5 + 2)
+        ke = tl.load(slices_ptr + s * 5 + 3)
+        mtype = tl.load(slices_ptr + s * 5 + 4)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
         n_lo, n_hi = key_span(r0, r1, qs, qe, ks, ke, mtype)
         # Keys that every row of the block reads form one run [f_lo, f_hi).
@@ -374,32 +389,34 @@ def _bwd_dq_kernel(
         post = f_lo + n_full * BLOCK_N
         n_post = tl.cdiv(n_hi - post, BLOCK_N)
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, K_h, V_h,
+            dq, q, do, lse2, delta, k_head_ptr, v_head_ptr,
             f_lo, n_full, f_lo, n_full, n_lo, n_hi,
             offs_m, offs_d, offs_dv, stride_kt, stride_vt,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            False, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_N,
+            False, HAS_SOFTCAP, IS_D_PADDED, IS_DV_PADDED, IS_INT64, DOT_PRECISION, IS_BF16_EMULATED, BLOCK_N,
         )
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, K_h, V_h,
+            dq, q, do, lse2, delta, k_head_ptr, v_head_ptr,
             f_lo - n_pre * BLOCK_N, n_pre, post, n_pre + n_post, n_lo, n_hi,
             offs_m, offs_d, offs_dv, stride_kt, stride_vt,
             qs, qe, ks, ke, mtype, D, DV, qk_scale2, scale, softcap,
-            True, IS_SOFTCAP, PAD_D, PAD_DV, ROW64, DOT_PREC, EMU_BF16, BLOCK_N,
+            True, HAS_SOFTCAP, IS_D_PADDED, IS_DV_PADDED, IS_INT64, DOT_PRECISION, IS_BF16_EMULATED, BLOCK_N,
         )
 
     dq = dq * scale
-    tl.store(DQ + h * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
-             _cast(dq, DQ.dtype.element_ty, EMU_BF16), mask=mask_m[:, None] & (offs_d[None, :] < D))
+    tl.store(dq_ptr + h * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
+             _cast(dq, dq_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_m[:, None] & (offs_d[None, :] < D))
 
 
-class BwdConfig(NamedTuple):
+@dataclass(frozen=True)
+class BwdConfig:
     """Launch shape of the two gradient kernels.
 
     The dK/dV kernel owns ``kv_block_n`` keys and walks rows ``kv_block_m`` at
     a time; the dQ kernel owns ``q_block_m`` rows and walks keys ``q_block_n``
     at a time. Chosen from the head dims and dtype only (never from the mask),
-    so that a mask change cannot change the accumulation order.
+    so that a mask change cannot change the accumulation order. The owned
+    blocks (``kv_block_n``, ``q_block_m``) divide the plan's block.
     """
 
     kv_block_m: int
@@ -411,13 +428,15 @@ class BwdConfig(NamedTuple):
     q_warps: int
     q_stages: int
 
-    def check(self) -> "BwdConfig":
-        for name, x in zip(self._fields, self):
+    def __post_init__(self):
+        for f in fields(self):
+            x = getattr(self, f.name)
             if not isinstance(x, int) or x <= 0:
-                raise ValueError(f"BwdConfig.{name} must be a positive int, got {x!r}")
-            if "block" in name and (x < 16 or x & (x - 1)):
-                raise ValueError(f"BwdConfig.{name} must be a power of two >= 16, got {x}")
-        return self
+                raise ValueError(f"BwdConfig.{f.name} must be a positive int, got {x!r}")
+            if "block" in f.name and (x < 16 or x & (x - 1)):
+                raise ValueError(f"BwdConfig.{f.name} must be a power of two >= 16, got {x}")
+        plan_split(self.kv_block_n)
+        plan_split(self.q_block_m)
 
 
 def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:
@@ -427,10 +446,9 @@ def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) ->
         # several tiles, masked and unmasked.
         return BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
     d = max(D, Dv)
-    # d = 128: the fastest of the shapes timed on an H200 (Triton 3.6; causal
-    # 32k: 29.6 ms against 33.4 ms for (64, 128, 8, 2, 128, 32, 8, 3) and 38.8 ms
-    # with 2 stages). Other head dims: shapes whose offline sm_90 builds fit in
-    # 255 registers without spilling (d = 256 spills a little), not timed.
+    # d = 128: the fastest of the shapes timed on an H200 (flashrange bench --sweep);
+    # other head dims: shapes whose offline sm_90 builds fit in 255 registers
+    # without spilling (d = 256 spills a little), not timed.
     if dtype == torch.float32:
         return BwdConfig(32, 64, 4, 2, 64, 32, 4, 2) if d <= 128 else BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
     if d <= 64:
@@ -440,17 +458,9 @@ def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) ->
     return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _block_dim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
 def range_attention_backward_triton(
     dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, dlse=None,
-    *, config: BwdConfig | None = None,
+    *, plan=None, config: BwdConfig | None = None,
 ):
     """Gradients of range attention on the GPU (or under ``TRITON_INTERPRET=1``).
 
@@ -461,14 +471,19 @@ def range_attention_backward_triton(
     optional `(Tq, Hq)` gradient of `lse`; `q_ranges`, `k_ranges`: `(S, 2)`
     int32; `mask_types`: `(S,)` int32. Returns `(dq, dk, dv)` in the dtypes of
     `q, k, v`. Deterministic (no atomics), no host synchronisation, extra
-    memory O((Tq + Tk) * H + S). `config` overrides :func:`default_config`.
+    memory O((Tq + Tk) * H + S). `plan`: the mask's
+    :class:`~flashrange.plan.RangePlan` (the forward's; built here when
+    ``None``). `config` overrides :func:`default_config`.
     """
     st = _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config)
     if st is None:
         return _zeros(q, k, v)
-    _launch_preprocess(st)
-    _launch_dkdv(st)
-    _launch_dq(st)
+    # Triton launches on the current device; the inputs may live on another one.
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        st.plan = plan if plan is not None else build_plan(q_ranges, k_ranges, mask_types, q.shape[0], k.shape[0])
+        _launch_preprocess(st)
+        _launch_dkdv(st)
+        _launch_dq(st)
     return st.dq, st.dk, st.dv
 
 
@@ -476,7 +491,7 @@ class _State:
     """Everything the three launches share (tensors made contiguous, scalars, config)."""
 
     __slots__ = ("dout", "q", "k", "v", "out", "lse", "dlse", "q_ranges", "k_ranges", "mask_types", "scale",
-                 "softcap", "cfg", "dq", "dk", "dv", "delta", "lse2", "row64", "emu_bf16", "dot_prec")
+                 "softcap", "cfg", "plan", "dq", "dk", "dv", "delta", "lse2", "row64", "emu_bf16", "dot_prec")
 
 
 def _zeros(q, k, v):
@@ -513,17 +528,20 @@ def _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_sc
     st.q, st.k, st.v, st.dout, st.out = (last_dim_contiguous(t) for t in (q, k, v, dout, out))
     st.lse, st.dlse = lse, dlse
     st.q_ranges, st.k_ranges, st.mask_types = q_ranges, k_ranges, mask_types
-    st.scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    st.scale = resolve_scale(softmax_scale, D)
     st.softcap = float(softcap)
     dev = q.device
-    st.cfg = BwdConfig(*config).check() if config is not None else default_config(D, Dv, q.dtype, dev)
+    st.cfg = config if config is not None else default_config(D, Dv, q.dtype, dev)
+    if not isinstance(st.cfg, BwdConfig):
+        raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
     st.dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     st.dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     st.dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    st.emu_bf16 = q.dtype == torch.bfloat16 and _interpreting()
+    st.emu_bf16 = q.dtype == torch.bfloat16 and interpreting()
     st.dot_prec = "ieee" if q.dtype == torch.float32 or st.emu_bf16 else "tf32"
-    # Row offsets stay int32 unless some tensor spans 2**31 elements.
-    st.row64 = max(t.numel() for t in (q, k, v, dout)) >= 2**31 - 1
+    # Row offsets stay int32 unless some operand's largest element offset (strides
+    # included: a view into a fused qkv buffer) reaches 2**31.
+    st.row64 = needs_int64(st.q, st.k, st.v, st.dout, st.dq, st.dk, st.dv)
     st.delta = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
     st.lse2 = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
     return st
@@ -540,7 +558,7 @@ def _launch_preprocess(st):
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         lse.stride(0), lse.stride(1),
         dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
-        HAS_DLSE=dlse is not None, BLOCK_M=PRE_M, BLOCK_DV=_block_dim(Dv),
+        HAS_DLSE=dlse is not None, BLOCK_M=PRE_M, BLOCK_DV=pad_dim(Dv),
     )
 
 
@@ -549,18 +567,18 @@ def _launch_dkdv(st):
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     is_softcap = st.softcap > 0.0
-    plan = build_plan(st.q_ranges, st.k_ranges, st.mask_types, Tq, Tk, cfg.kv_block_n, transpose=True)
-    n_blocks = plan.block_order.shape[0]
+    plan, split = st.plan, plan_split(cfg.kv_block_n)
+    n_blocks = plan.k_block_order.shape[0] * split
     _bwd_dkdv_kernel[(n_blocks * Hkv,)](
         q, k, v, dout, st.lse2, st.delta, dk, dv,
-        plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
+        plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
         Tq, Tk, Hq, Hkv, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         st.scale, st.softcap if is_softcap else 1.0,
-        IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16,
-        PAD_D=_block_dim(D) != D, PAD_DV=_block_dim(Dv) != Dv,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
+        HAS_SOFTCAP=is_softcap, IS_INT64=st.row64, DOT_PRECISION=st.dot_prec, IS_BF16_EMULATED=st.emu_bf16,
+        IS_D_PADDED=pad_dim(D) != D, IS_DV_PADDED=pad_dim(Dv) != Dv, SPLIT=split,
+        BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=pad_dim(D), BLOCK_DV=pad_dim(Dv),
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
     )
 
@@ -570,17 +588,17 @@ def _launch_dq(st):
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     is_softcap = st.softcap > 0.0
-    plan = build_plan(st.q_ranges, st.k_ranges, st.mask_types, Tq, Tk, cfg.q_block_m)
-    n_blocks = plan.block_order.shape[0]
+    plan, split = st.plan, plan_split(cfg.q_block_m)
+    n_blocks = plan.q_block_order.shape[0] * split
     _bwd_dq_kernel[(n_blocks * Hq,)](
         q, k, v, dout, st.lse2, st.delta, dq,
-        plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
+        plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
         Tq, Tk, Hq, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         st.scale, st.softcap if is_softcap else 1.0,
-        IS_SOFTCAP=is_softcap, ROW64=st.row64, DOT_PREC=st.dot_prec, EMU_BF16=st.emu_bf16,
-        PAD_D=_block_dim(D) != D, PAD_DV=_block_dim(Dv) != Dv,
-        BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
+        HAS_SOFTCAP=is_softcap, IS_INT64=st.row64, DOT_PRECISION=st.dot_prec, IS_BF16_EMULATED=st.emu_bf16,
+        IS_D_PADDED=pad_dim(D) != D, IS_DV_PADDED=pad_dim(Dv) != Dv, SPLIT=split,
+        BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=pad_dim(D), BLOCK_DV=pad_dim(Dv),
         num_warps=cfg.q_warps, num_stages=cfg.q_stages,
     )

@@ -1,14 +1,14 @@
-"""Triton forward kernel of range attention (DESIGN §4): the CUDA slot of ``flashrange::fwd``.
+"""Triton forward kernel of range attention (docs/design.md, "Forward"): the CUDA slot of ``flashrange::fwd``.
 
 One program owns one block of ``BLOCK_M`` query rows of one query head. It
-walks the slices of its window in the plan (:func:`flashrange.plan.build_plan`),
+walks the slices of its window in the plan's query-major half
+(:class:`flashrange.plan.RangePlan`),
 key tile by key tile, with a single online softmax (base 2, ``log2(e)``
 folded into the scale), and writes ``out`` and the float32 ``lse`` once: no
 atomics, no second pass.
 
 Per slice the key tiles split into a masked head, an unmasked middle (tiles
-entirely inside the slice, :func:`~flashrange.kernels._mask.tile_is_full`'s
-condition in closed form) and a masked tail, so the bulk of a large slice
+entirely inside the slice, in closed form) and a masked tail, so the bulk of a large slice
 runs the plain flash-attention inner loop with no element mask and no load
 mask.
 
@@ -20,28 +20,23 @@ without any autotuning round-trip, and the launcher never syncs with the host
 (device-side tensor descriptors, warp specialization) are used only where the
 installed Triton has them and the interpreter is off.
 
-Measured on an H200 (Triton 3.6, bf16, H=16, plan built in every call):
-full 8k D128 507 TFLOP/s, causal 32k D128 513 (cuDNN 629 / 586, compiled
-FlexAttention 421 / 429). Blocks straddling slice boundaries run every key
-tile masked for every slice they meet, so many short documents (128 in 32k:
-151 TFLOP/s) lose most; ``BLOCK_M = 64`` configs do better there (169) but
-worse on long slices. Warp specialization: the 4-warp variants do not compile
-with this loop nest on Triton 3.6, and the 8-warp one is slower than plain TMA.
+Blocks straddling slice boundaries run every key tile masked for every
+slice they meet; warp specialization is tried only where the installed
+Triton builds it. Measured speeds are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..plan import build_plan
-from ._mask import slice_diagonals
+from ..validation import resolve_scale
+from .common import DEV_LN2, DEV_NO_DIAGONAL, LOG2E, interpreting, needs_int64, pad_dim, plan_split, slice_diagonals
+from .plan import build_plan
 
 __all__ = [
     "FwdConfig",
@@ -51,8 +46,6 @@ __all__ = [
     "range_attention_forward_triton",
 ]
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _tile_step(
@@ -60,8 +53,8 @@ def _tile_step(
     offs_m, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
 ):
     """One online-softmax step over keys ``[c0, c0 + BLOCK_N)``; scores are kept in base 2.
 
@@ -69,14 +62,18 @@ def _tile_step(
     nested ``@triton.jit`` call costs milliseconds.
     """
     offs_n = c0 + tl.arange(0, BLOCK_N)
-    if USE_TMA:
+    if IS_TMA:
         # Out-of-bounds rows and columns come back as zeros.
         k = k_desc.load([c0, 0])
         v = v_desc.load([c0, 0])
+        if IS_MASKED:
+            # The tile may run past the slice into keys no slice covers: a NaN there
+            # must not reach p @ v (0 * NaN), so those rows of v count as zeros.
+            v = tl.where(offs_n[:, None] < k_hi, v, 0.0)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        if IDX64:
+        if IS_INT64:
             rows = offs_n.to(tl.int64)
         else:
             rows = offs_n
@@ -98,7 +95,7 @@ def _tile_step(
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
 
     k_t = tl.trans(k)
-    if FIX_BF16:
+    if IS_BF16_EMULATED:
         # Triton's interpreter multiplies bf16 operands wrongly (3.9): give it fp32
         # copies of the same values.
         qk = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision=DOT_PRECISION)
@@ -109,19 +106,19 @@ def _tile_step(
         # Triton version; the absolute error stays at fp32 rounding.
         e = tl.exp2(qk * cap_in)
         s = cap_out * (1.0 - 2.0 / (e + 1.0))
-    elif FOLD_SCALE:
+    elif IS_SCALE_FOLDED:
         # The scale is applied inside the row max and the exponent (one FMA per score).
         s = qk
     else:
         s = qk * qk_scale
     if IS_MASKED:
-        # The slice's cells (_mask.tile_mask): rows and columns as vectors, the two
+        # The slice's cells: rows and columns as vectors, the two
         # diagonals with bounds that are +-inf-like when the type has no such diagonal.
         j = offs_n[None, :]
         diag = j - offs_m[:, None]
         mask = row_ok[:, None] & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
         s = tl.where(mask, s, float("-inf"))
-    if FOLD_SCALE:
+    if IS_SCALE_FOLDED:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,13 +128,13 @@ def _tile_step(
     else:
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    if FOLD_SCALE:
+    if IS_SCALE_FOLDED:
         p = tl.exp2(s * qk_scale - m_use[:, None])
     else:
         p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if FIX_BF16:
+    if IS_BF16_EMULATED:
         # The interpreter also truncates fp32 -> bf16 where the GPU rounds to nearest
         # even: round on the bits, then the truncation is exact.
         bits = p.to(tl.uint32, bitcast=True)
@@ -157,17 +154,19 @@ def _range_attn_fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt,
     qk_scale, cap_in, cap_out, GROUP,
-    D: tl.constexpr, DV: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FIX_BF16: tl.constexpr, IDX64: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr, IS_WARP_SPECIALIZED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
 ):
-    """1-D grid of ``n_blocks * Hq`` programs, ranked heaviest first over all heads.
+    """1-D grid of ``n_plan_blocks * SPLIT * Hq`` programs, ranked heaviest first over all heads.
 
-    Program ``pid`` takes block ``block_order[pid // Hq]`` of head ``pid % Hq``:
-    the hardware starts programs in ``pid`` order, so every head's heavy
-    blocks start before any light one (longest-processing-time order), and
-    the query heads that share a key/value head run side by side (L2 reuse).
+    Program ``pid`` takes tile ``pid // Hq % SPLIT`` of plan block
+    ``block_order[pid // (Hq * SPLIT)]``, head ``pid % Hq``: the hardware
+    starts programs in ``pid`` order, so every head's heavy blocks start
+    before any light one (longest-processing-time order), and the query heads
+    that share a key/value head run side by side (L2 reuse). A tile reads its
+    plan block's window (``SPLIT`` tiles of ``BLOCK_M`` rows per block).
 
     ``slices`` ``(S, 5)`` int32 rows ``(qs, qe, ks, ke, type)``, already clamped;
     ``block_lo/hi`` give each query block's window into them.
@@ -176,11 +175,11 @@ def _range_attn_fwd_kernel(
     pid_rank = pid // Hq
     pid_h = pid % Hq
     pid_kvh = pid_h // GROUP
-    pid_b = tl.load(block_order_ptr + pid_rank)
-    r0 = pid_b * BLOCK_M
+    pid_plan = tl.load(block_order_ptr + pid_rank // SPLIT)
+    r0 = (pid_plan * SPLIT + pid_rank % SPLIT) * BLOCK_M
     r1 = tl.minimum(r0 + BLOCK_M, Tq)
-    s_lo = tl.load(block_lo_ptr + pid_b)
-    s_hi = tl.load(block_hi_ptr + pid_b)
+    s_lo = tl.load(block_lo_ptr + pid_plan)
+    s_hi = tl.load(block_hi_ptr + pid_plan)
 
     offs_m = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -190,7 +189,7 @@ def _range_attn_fwd_kernel(
     k_base = k_ptr + pid_kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + pid_kvh.to(tl.int64) * stride_vh
 
-    if USE_TMA:
+    if IS_TMA:
         q_desc = tl.make_tensor_descriptor(q_base, shape=[Tq, D], strides=[stride_qt, 1],
                                            block_shape=[BLOCK_M, BLOCK_D])
         k_desc = tl.make_tensor_descriptor(k_base, shape=[Tk, D], strides=[stride_kt, 1],
@@ -220,7 +219,7 @@ def _range_attn_fwd_kernel(
         # in a window; the check keeps a stray one harmless.
         mtype_ok = (mtype >= 0) & (mtype <= 3)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
-        # Keys [k_lo, k_hi) that the block's rows reach (see _mask.key_span).
+        # Keys [k_lo, k_hi) that the block's rows reach (common.key_span, inlined).
         a = tl.maximum(r0, qs)
         b = tl.minimum(r1, qe)
         k_lo = tl.where(has_lower, tl.maximum(ks, a + d_min), ks)
@@ -228,7 +227,7 @@ def _range_attn_fwd_kernel(
         k_hi = tl.where((b > a) & mtype_ok, k_hi, k_lo)
         n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
 
-        # Tiles [n_full_lo, n_full_hi) lie entirely inside the slice (_mask.tile_is_full):
+        # Tiles [n_full_lo, n_full_hi) lie entirely inside the slice:
         # the block's rows are all in [qs, qe) and every key column passes both diagonals.
         rows_in = (r0 >= qs) & (r0 + BLOCK_M <= qe)
         c_lo = tl.where(has_lower, tl.maximum(ks, r0 + BLOCK_M - 1 + d_min), ks)
@@ -241,16 +240,16 @@ def _range_attn_fwd_kernel(
         # Masked tiles: rows of the slice, and diagonal bounds no cell can miss when
         # the type has no such diagonal (|j - i| < 2**30 since T <= MAX_TOKENS).
         row_ok = (offs_m >= qs) & (offs_m < qe)
-        d_hi = tl.where(has_upper, d_max, 1 << 30)
-        d_lo = tl.where(has_lower, d_min, -(1 << 30))
+        d_hi = tl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+        d_lo = tl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
 
         # Unmasked middle.
-        for t in tl.range(n_full_lo, n_full_hi, warp_specialize=WARP_SPEC):
+        for t in tl.range(n_full_lo, n_full_hi, warp_specialize=IS_WARP_SPECIALIZED):
             acc, l_i, m_i = _tile_step(
                 acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + t * BLOCK_N, k_hi,
                 stride_kt, stride_vt, offs_m, row_ok, ks, ke, d_lo, d_hi,
                 qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                HAS_SOFTCAP, FOLD_SCALE, USE_TMA, False, DOT_PRECISION, FIX_BF16, IDX64)
+                HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, False, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
         # Masked head [0, n_full_lo) and tail [n_full_hi, n_tiles), in one loop.
         n_masked = n_full_lo + (n_tiles - n_full_hi)
         for t in range(0, n_masked):
@@ -259,15 +258,15 @@ def _range_attn_fwd_kernel(
                 acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + tile * BLOCK_N, k_hi,
                 stride_kt, stride_vt, offs_m, row_ok, ks, ke, d_lo, d_hi,
                 qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                HAS_SOFTCAP, FOLD_SCALE, USE_TMA, True, DOT_PRECISION, FIX_BF16, IDX64)
+                HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, True, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
 
     covered = l_i > 0.0
     l_safe = tl.where(covered, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if FIX_BF16:
+    if IS_BF16_EMULATED:
         bits = out.to(tl.uint32, bitcast=True)
         out = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    lse = tl.where(covered, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(covered, (m_i + tl.log2(l_safe)) * DEV_LN2, float("-inf"))
     mask_m = offs_m < Tq
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + pid_h.to(tl.int64) * stride_oh \
         + offs_dv[None, :]
@@ -346,10 +345,6 @@ def _smem_limit(device_index: int) -> int:
     return optin - 8 * 1024
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.lru_cache(maxsize=None)
 def _has_tma() -> bool:
     # Callers rule out the interpreter themselves (this answer is cached).
@@ -370,19 +365,15 @@ def _has_warp_spec() -> bool:
         return False
 
 
-def _pad_dim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
 def configs_for(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda"):
     """The configurations of :data:`FWD_CONFIGS` that can run this problem here."""
     dev = torch.cuda.current_device() if device_type == "cuda" and torch.cuda.is_available() else -1
-    return list(_configs_for(head_dim, head_dim_v, dtype, device_type, _interpreting(), dev))
+    return list(_configs_for(head_dim, head_dim_v, dtype, device_type, interpreting(), dev))
 
 
 @functools.lru_cache(maxsize=None)
 def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index):
-    bd, bdv = _pad_dim(head_dim), _pad_dim(head_dim_v)
+    bd, bdv = pad_dim(head_dim), pad_dim(head_dim_v)
     es = dtype.itemsize
     out = []
     for c in FWD_CONFIGS:
@@ -418,7 +409,7 @@ def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device
     Cached: the launcher asks on every call, and the host time counts for short kernels.
     """
     dev = torch.cuda.current_device() if device_type == "cuda" and torch.cuda.is_available() else -1
-    return _default_config(head_dim, head_dim_v, dtype, device_type, _interpreting(), dev)
+    return _default_config(head_dim, head_dim_v, dtype, device_type, interpreting(), dev)
 
 
 @functools.lru_cache(maxsize=None)
@@ -429,7 +420,7 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
     if dtype.itemsize == 4:
         name = "ptr_m64_n32_w4_s2"
     else:
-        name = _DEFAULTS[min(k for k in _DEFAULTS if k >= _pad_dim(max(head_dim, head_dim_v)))]
+        name = _DEFAULTS[min(k for k in _DEFAULTS if k >= pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
     if cfg not in allowed:  # e.g. no TMA on this build or chip: fall back to the pointer path
         cfg = next(c for c in allowed if not c.use_tma)
@@ -454,15 +445,16 @@ def _ensure_allocator():
 
 
 def range_attention_forward_triton(
-    q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, *, config=None
+    q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, *, plan=None, config=None
 ):
     """Range attention forward on the Triton kernel.
 
     `q`: `(Tq, Hq, D)`, `k`: `(Tk, Hkv, D)`, `v`: `(Tk, Hkv, Dv)`;
     `q_ranges`, `k_ranges`: `(S, 2)` int32, `mask_types`: `(S,)` int32, on q's device.
     Returns `out`: `(Tq, Hq, Dv)` in q's dtype and `lse`: `(Tq, Hq)` float32, as
-    :func:`flashrange.reference.range_attention_forward` does. `config` (a
-    :class:`FwdConfig` or its name) overrides :func:`default_config`.
+    :func:`flashrange.reference.range_attention_forward` does. `plan`: the
+    mask's :class:`~flashrange.plan.RangePlan` (built here when ``None``).
+    `config` (a :class:`FwdConfig` or its name) overrides :func:`default_config`.
 
     Static shapes and no host reads of tensor values: capturable in CUDA graphs.
     """
@@ -470,7 +462,7 @@ def range_attention_forward_triton(
     Tk, Hkv, Dv = v.shape
     if k.shape[2] != D or k.shape[:2] != v.shape[:2] or Hq % Hkv:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_scale(softmax_scale, D)
     softcap = float(softcap)
     out = torch.empty(Tq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
@@ -479,12 +471,12 @@ def range_attention_forward_triton(
     if Tk == 0 or q_ranges.shape[0] == 0:
         return out.zero_(), lse.fill_(float("-inf"))
 
-    interpreting = _interpreting()
+    is_interp = interpreting()
     if config is None:
         dev_index = q.device.index if q.device.type == "cuda" else -1
         if dev_index is None:
             dev_index = torch.cuda.current_device()
-        config = _default_config(D, Dv, q.dtype, q.device.type, interpreting, dev_index)
+        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index)
     elif isinstance(config, str):
         config = _BY_NAME[config]
     # The kernel wants unit stride along the head dim.
@@ -494,17 +486,21 @@ def range_attention_forward_triton(
     # TMA also needs 16-byte aligned bases and row strides (views into packed qkv
     # tensors may not have them); the same tiles run on plain pointers otherwise.
     use_tma = (
-        config.use_tma and q.device.type == "cuda" and not interpreting
+        config.use_tma and q.device.type == "cuda" and not is_interp
         and all(_tma_aligned(t) for t in (q, k, v))
     )
     if use_tma:
         _ensure_allocator()
+    split = plan_split(config.BLOCK_M)
     if q.device.type == "cuda":
         # Triton launches on the current device; the inputs may live on another one.
         with torch.cuda.device(q.device):
-            return _launch(q, k, v, out, lse, q_ranges, k_ranges, mask_types, scale, softcap, config, use_tma,
-                           interpreting)
-    return _launch(q, k, v, out, lse, q_ranges, k_ranges, mask_types, scale, softcap, config, use_tma, interpreting)
+            if plan is None:
+                plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
+            return _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_interp)
+    if plan is None:
+        plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
+    return _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_interp)
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
@@ -512,32 +508,31 @@ def _tma_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
 
 
-def _launch(q, k, v, out, lse, q_ranges, k_ranges, mask_types, scale, softcap, config, use_tma, interpreting):
+def _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_interp):
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
-    plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, config.BLOCK_M)
-    n_blocks = plan.block_order.shape[0]
+    n_blocks = plan.q_block_order.shape[0] * split
     if softcap > 0:
         # tanh(x) = 1 - 2 / (exp2(2 log2(e) x) + 1), with x = scale * qk / softcap.
-        cap_in, cap_out = 2.0 * _LOG2E * scale / softcap, softcap * _LOG2E
+        cap_in, cap_out = 2.0 * LOG2E * scale / softcap, softcap * LOG2E
     else:
         cap_in, cap_out = 0.0, 0.0
     grid = (n_blocks * Hq,)
     _range_attn_fwd_kernel[grid](
         q, k, v, out, lse,
-        plan.slices, plan.block_lo, plan.block_hi, plan.block_order,
+        plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
         Tq, Tk, Hq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        scale * _LOG2E, cap_in, cap_out,
-        Hq // Hkv, D=D, DV=Dv,
+        scale * LOG2E, cap_in, cap_out,
+        Hq // Hkv, D=D, DV=Dv, SPLIT=split,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
-        BLOCK_D=_pad_dim(D), BLOCK_DV=_pad_dim(Dv),
-        HAS_SOFTCAP=softcap > 0, FOLD_SCALE=softcap <= 0 and scale > 0, USE_TMA=use_tma, WARP_SPEC=config.warp_spec and use_tma,
+        BLOCK_D=pad_dim(D), BLOCK_DV=pad_dim(Dv),
+        HAS_SOFTCAP=softcap > 0, IS_SCALE_FOLDED=softcap <= 0 and scale > 0, IS_TMA=use_tma, IS_WARP_SPECIALIZED=config.warp_spec and use_tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FIX_BF16=interpreting and q.dtype == torch.bfloat16,
+        IS_BF16_EMULATED=is_interp and q.dtype == torch.bfloat16,
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
-        IDX64=max(Tk * k.stride(0), Tk * v.stride(0)) >= 2**31,
+        IS_INT64=needs_int64(q, k, v, out),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

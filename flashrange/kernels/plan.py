@@ -1,4 +1,4 @@
-"""The plan (see :mod:`flashrange.plan`) in three Triton launches.
+"""The plan (:mod:`flashrange.plan`) in Triton launches, and the choice of builder.
 
 The plain-PyTorch plan takes about a hundred small kernels (sorts, cumsums,
 scatters); each costs a launch, which puts it far above the attention it feeds
@@ -16,11 +16,19 @@ trade sorting for counting:
 The outputs are identical to :func:`flashrange.plan.build_plan_torch`, which
 the tests check; the cost is O(S^2 + S * n_blocks) arithmetic, done in
 parallel, and O(S + n_blocks) memory.
+
+:func:`build_plan` picks the builder: these launches for CUDA tensors, the
+plain-PyTorch one elsewhere.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from ..constants import PLAN_BLOCK
+from ..plan import BlockPlan, RangePlan, build_block_plan_torch, build_plan_torch, canonical_slices
+
+__all__ = ["build_plan", "build_block_plan", "build_plan_triton", "build_block_plan_triton", "RANK_BY_COUNTING_MAX"]
 
 
 @triton.jit
@@ -209,17 +217,15 @@ def _order_blocks_kernel(work_ptr, order_ptr, n_blocks, BLOCK_B: tl.constexpr, B
 RANK_BY_COUNTING_MAX = 8192
 
 
-def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpose=False):
-    """Same contract and outputs as :func:`flashrange.plan.build_plan_torch`."""
-    from ..plan import RangePlan, canonical_slices
-
+def build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False):
+    """Same contract and outputs as :func:`flashrange.plan.build_block_plan_torch`."""
     dev = q_ranges.device
     qr = q_ranges.reshape(-1, 2).contiguous()
     kr = k_ranges.reshape(-1, 2).contiguous()
     mt = mask_types.reshape(-1).contiguous()
     S = mt.shape[0]
     T = Tk if transpose else Tq
-    n_blocks = max(1, -(-T // block))
+    n_blocks = -(-T // block)
     slices = torch.empty(S, 5, dtype=torch.int32, device=dev)
     lo = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     hi = torch.empty(n_blocks, dtype=torch.int32, device=dev)
@@ -239,9 +245,49 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, *, transpos
         )
     # Four blocks a program: enough programs to fill the GPU at long contexts; the int64
     # cell counts take narrower tiles (registers).
+    if n_blocks == 0:
+        return BlockPlan(slices, lo, hi, order)
     _block_windows_kernel[(triton.cdiv(n_blocks, 4),)](
         slices, lo, hi, work, S, T, n_blocks, IS_TRANSPOSED=transpose, BLOCK=block, BLOCK_B=4, BLOCK_T=512,
         BLOCK_T2=128,
     )
     _order_blocks_kernel[(triton.cdiv(n_blocks, BLOCK_B),)](work, order, n_blocks, BLOCK_B=BLOCK_B, BLOCK_T=128)
-    return RangePlan(slices, lo, hi, order)
+    return BlockPlan(slices, lo, hi, order)
+
+
+def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk):
+    """:class:`~flashrange.plan.RangePlan` from the Triton launches; equal to the plain-PyTorch plan."""
+    return RangePlan(
+        *build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk),
+        *build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, transpose=True),
+    )
+
+
+def build_block_plan(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False, backend=None):
+    """One axis of the plan (a :class:`~flashrange.plan.BlockPlan`) with blocks of ``block`` tokens.
+
+    ``backend`` as in :func:`build_plan`. The kernels use ``block = PLAN_BLOCK``;
+    other sizes serve tests and studies of the plan.
+    """
+    if backend is None:
+        backend = "triton" if q_ranges.is_cuda else "torch"
+    if backend == "triton":
+        return build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    return build_block_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block, transpose=transpose)
+
+
+def build_plan(q_ranges, k_ranges, mask_types, Tq, Tk, *, backend=None):
+    """The plan of a mask over ``Tq x Tk`` tokens.
+
+    ``backend``: ``"triton"`` (the default for CUDA tensors) or ``"torch"``
+    (plain PyTorch ops, the default elsewhere); both give identical plans.
+    """
+    if backend is None:
+        backend = "triton" if q_ranges.is_cuda else "torch"
+    if backend == "triton":
+        return build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    return build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk)

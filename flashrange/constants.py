@@ -1,0 +1,49 @@
+"""Names and limits shared by every layer: mask-type codes, size limits, plan granularity.
+
+One home for these values: the reference, the plan, the kernels (as
+constexpr arguments), the front-ends, the scripts and the tests import them
+from here (docs/design.md, "Semantics").
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FULL",
+    "CAUSAL",
+    "INV_CAUSAL",
+    "BI_CAUSAL",
+    "MASK_TYPES",
+    "TYPE_NAMES",
+    "MAX_TOKENS",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
+    "KERNEL_DTYPES",
+    "PLAN_BLOCK",
+    "STRICT_ENV",
+]
+
+# Mask-type codes, as in MagiAttention's ``attn_type_map``.
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+MASK_TYPES = (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL)
+TYPE_NAMES = {FULL: "FULL", CAUSAL: "CAUSAL", INV_CAUSAL: "INV_CAUSAL", BI_CAUSAL: "BI_CAUSAL"}
+
+# Tokens per tensor: the plan packs two coordinates of 30 bits each into one
+# int64 sort key, and the kernels bound |key - row| by 2**30.
+MAX_TOKENS = (1 << 30) - 1
+
+# Head dims (D and Dv) the kernels are built for; the reference takes any.
+MIN_HEAD_DIM = 1
+MAX_HEAD_DIM = 256
+
+# Dtypes the GPU kernels run; float64 always runs the reference.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Rows (or keys) per block of the plan's work lists. Every kernel tile along
+# the major axis divides it, so one plan serves the forward and both
+# gradient kernels whatever their tile sizes.
+PLAN_BLOCK = 128
+
+# Environment variable that turns strict value checks on for every call.
+STRICT_ENV = "FLASHRANGE_STRICT"

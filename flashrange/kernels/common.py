@@ -1,0 +1,119 @@
+"""Device code and launch helpers shared by every kernel: constants, slice geometry, head-dim padding.
+
+A slice ``(qs, qe, ks, ke, type)`` covers cell ``(i, j)`` of its rectangle
+when, with ``d = j - i``:
+
+- CAUSAL (bottom-right aligned): ``d <= ke - qe``;
+- INV_CAUSAL (top-left aligned): ``d >= ks - qs``;
+- BI_CAUSAL: both; FULL: neither.
+
+So every type is the rectangle cut by at most two diagonals, which makes
+"which keys does this block of rows need" and "is this tile entirely inside"
+a few integer comparisons.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from ..constants import BI_CAUSAL, CAUSAL, INV_CAUSAL, MAX_TOKENS, PLAN_BLOCK
+
+__all__ = [
+    "LOG2E",
+    "LN2",
+    "NO_DIAGONAL",
+    "DEV_LOG2E",
+    "DEV_LN2",
+    "DEV_NO_DIAGONAL",
+    "DEV_CAUSAL",
+    "DEV_INV_CAUSAL",
+    "DEV_BI_CAUSAL",
+    "slice_diagonals",
+    "key_span",
+    "query_span",
+    "interpreting",
+    "pad_dim",
+    "needs_int64",
+    "plan_split",
+]
+
+# exp(x) = exp2(x * LOG2E): the kernels keep scores in base 2.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# A diagonal bound that no cell can miss (|key - row| <= MAX_TOKENS < 2**30).
+NO_DIAGONAL = 1 << 30
+if MAX_TOKENS >= NO_DIAGONAL:  # pragma: no cover - guards an edit of constants.py
+    raise ImportError("NO_DIAGONAL must exceed MAX_TOKENS")
+
+# Device-side copies: a @triton.jit function reads module globals only as constexprs.
+DEV_LOG2E = tl.constexpr(LOG2E)
+DEV_LN2 = tl.constexpr(LN2)
+DEV_NO_DIAGONAL = tl.constexpr(NO_DIAGONAL)
+DEV_CAUSAL = tl.constexpr(CAUSAL)
+DEV_INV_CAUSAL = tl.constexpr(INV_CAUSAL)
+DEV_BI_CAUSAL = tl.constexpr(BI_CAUSAL)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pad_dim(d: int) -> int:
+    """Head dim padded to the power of two a tile holds (at least 16, the smallest dot)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def needs_int64(*tensors) -> bool:
+    """Whether some element offset of these tensors (strides included) passes int32.
+
+    A view into a fused buffer (e.g. q inside a packed qkv) has row strides far
+    larger than its own row length, so ``numel()`` says nothing about offsets.
+    """
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        if last >= 2**31 - 1:
+            return True
+    return False
+
+
+def plan_split(block: int) -> int:
+    """Kernel tiles per plan block along the major axis; ``block`` must divide the plan's block."""
+    if block > PLAN_BLOCK or PLAN_BLOCK % block:
+        raise ValueError(f"a kernel tile of {block} rows does not divide the plan's {PLAN_BLOCK}-row blocks")
+    return PLAN_BLOCK // block
+
+
+@triton.jit
+def slice_diagonals(qs, qe, ks, ke, mtype):
+    """``(HAS_UPPER, d_max, HAS_LOWER, d_min)`` of a slice as runtime scalars."""
+    has_upper = (mtype == DEV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
+    has_lower = (mtype == DEV_INV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
+    return has_upper, ke - qe, has_lower, ks - qs
+
+
+@triton.jit
+def key_span(r0, r1, qs, qe, ks, ke, mtype):
+    """Keys ``[k_lo, k_hi)`` that rows ``[r0, r1)`` of the slice can reach (may be empty)."""
+    has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+    a = tl.maximum(r0, qs)
+    b = tl.minimum(r1, qe)
+    k_lo = tl.where(has_lower, tl.maximum(ks, a + d_min), ks)
+    k_hi = tl.where(has_upper, tl.minimum(ke, b + d_max), ke)
+    k_hi = tl.where(b > a, k_hi, k_lo)
+    return k_lo, k_hi
+
+
+@triton.jit
+def query_span(c0, c1, qs, qe, ks, ke, mtype):
+    """Rows ``[q_lo, q_hi)`` of the slice that read any of keys ``[c0, c1)`` (may be empty)."""
+    has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+    a = tl.maximum(c0, ks)
+    b = tl.minimum(c1, ke)
+    q_lo = tl.where(has_upper, tl.maximum(qs, a - d_max), qs)
+    q_hi = tl.where(has_lower, tl.minimum(qe, b - d_min), qe)
+    q_hi = tl.where(b > a, q_hi, q_lo)
+    return q_lo, q_hi
