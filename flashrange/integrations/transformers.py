@@ -9,17 +9,28 @@
 Importing this module calls :func:`register`, which adds two entries under
 the name ``"flashrange"``: an attention function to transformers'
 ``AttentionInterface`` and a mask function to its ``AttentionMaskInterface``.
-The mask function keeps the 2-D padding mask as it is (``(B, kv_len)``
-bool, or ``None``), so transformers never builds a dense 4-D mask for this
-backend; the attention function turns that mask, or the packing carried by
-``position_ids`` / ``cu_seq_lens_q/k``, into range slices on the device and
-calls the ``flashrange::fwd`` op.
+
+**Plan once per forward.** transformers calls the mask function once per
+forward for each mask type of the model (``"full_attention"``, and
+``"sliding_attention"`` for models with sliding-window layers), then hands
+its result to every layer of that type as ``attention_mask``. So the mask
+function does all the mask work: it turns the 2-D padding mask, or the
+packing that transformers found in ``position_ids``, into range slices on
+the device, plans them (:func:`flashrange.plan_mask`) and returns a
+:class:`PlannedMask`. Each layer then only runs the attention op with that
+plan, and the backward reuses it. No dense ``(B, 1, S, S)`` mask is ever
+made. A layer builds its own ranges instead (the way every layer did before
+plans existed) when it gets no :class:`PlannedMask` (transformers without
+mask interfaces, a caller passing the 2-D mask directly), when the plan was
+made for another shape, causality or window, and when ``cu_seq_lens_q/k``
+come with the attention call (they never reach the mask function).
 
 Range building is elementwise tensor work with static shapes (``argmax``,
-``cummin``, ``where``): no ``.item()``, no ``nonzero``, so a model traces
-under ``torch.compile(fullgraph=True)`` with no graph break, and packed
-batches whose document count changes never recompile (the slice list has a
-fixed capacity, ``B * S`` documents, padded with empty slices).
+``cummin``, ``cumsum``, ``where``): no ``.item()``, no ``nonzero``, so a
+model traces under ``torch.compile(fullgraph=True)`` with no graph break,
+and packed batches whose document count changes never recompile: the slice
+list has a capacity that depends on shapes only, with the documents first
+and exactly ``[0, 0)`` ``FULL`` slices after them.
 
 What each layer gets (``S_q`` queries, ``S_k`` keys per row, ``B`` rows):
 
@@ -29,10 +40,12 @@ What each layer gets (``S_q`` queries, ``S_k`` keys per row, ``B`` rows):
   output (as FlashAttention's unpadding does); they never reach a real token.
 - **Packing** (no ``attention_mask``, ``S_q == S_k``): ``cu_seq_lens_q/k``
   when given (FlashAttention convention, offsets into the ``B * S`` flat
-  tokens), else ``position_ids``: a document starts wherever the position does
-  not go up by exactly 1 from the previous token, the rule transformers'
-  own masks use (so positions restarting at 0, as ``DataCollatorWithFlattening``
-  produces, split documents).
+  tokens), else the documents transformers found in ``position_ids``: a
+  document starts wherever the position does not go up by exactly 1 from
+  the previous token (so positions restarting at 0, as
+  ``DataCollatorWithFlattening`` produces, split documents). The capacity is
+  ``B * S`` slices, one per token, since the documents are only known on
+  the device.
 - **Causal** layers get one bottom-right-aligned ``CAUSAL`` slice per
   document; **sliding-window** layers the window ``0 <= q - k < sliding_window``
   (transformers' ``kv_idx > q_idx - sliding_window``), as at most three
@@ -52,6 +65,8 @@ or ``and_mask_function``, e.g. bidirectional image tokens).
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 try:
@@ -63,13 +78,20 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "pip install 'flashrange[transformers]'"
     ) from e
 
+try:
+    from transformers import masking_utils as _hf_masks
+except ImportError:  # pragma: no cover - transformers without mask functions: every layer plans
+    _hf_masks = None
+
 from ..constants import CAUSAL
-from ..interface import attention
+from ..interface import attention, plan_mask
+from ..plan import RangePlan
 from ..validation import strict_enabled, values_readable
 from ..window import window_slices
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "PlannedMask",
     "register",
     "flashrange_attention_forward",
     "flashrange_mask",
@@ -77,6 +99,35 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "flashrange"
+
+# transformers' own mask functions, recognised by identity: dynamo folds an
+# identity test of two functions to a constant, so the checks cost nothing
+# under torch.compile.
+_HF_CAUSAL = getattr(_hf_masks, "causal_mask_function", None)
+_HF_BIDIRECTIONAL = getattr(_hf_masks, "bidirectional_mask_function", None)
+
+
+class PlannedMask(NamedTuple):
+    """One mask type of one forward, ranges and plan built once by :func:`flashrange_mask`.
+
+    transformers passes it to every layer of that type as ``attention_mask``;
+    :func:`flashrange_attention_forward` runs the op with ``plan`` when the
+    layer is the one it was built for (the sizes, ``causal`` and
+    ``sliding_window`` below), and otherwise builds the layer's ranges from
+    ``padding``. Tensors and Python scalars only, so that ``torch.compile``
+    carries it from the mask function to the layers without a graph break.
+    """
+
+    padding: Optional[torch.Tensor]  # (batch_size, kv_length) bool, or None without padding
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    mask_types: torch.Tensor
+    plan: RangePlan
+    batch_size: int
+    q_length: int
+    kv_length: int
+    causal: bool
+    sliding_window: Optional[int]
 
 
 # --------------------------------------------------------------------------- ranges
@@ -89,7 +140,7 @@ def _causal_slices(qs, qe, ks, ke, window):
     ``[qs[n], qe[n])`` by keys ``[ks[n], ke[n])``. Returns ``q_ranges``,
     ``k_ranges`` ``(P*N, 2)`` and ``mask_types`` ``(P*N,)`` int32, with
     ``P = 1`` without a window and ``3`` with one; empty slices are
-    ``[0, 0)``.
+    ``[0, 0)`` ``FULL``.
     """
     if window is not None:
         # transformers' sliding window keeps q - k < window: FA's (window - 1, 0).
@@ -107,6 +158,27 @@ def _full_slices(qs, qe, ks, ke):
     return window_slices(qs, qe, ks, ke, -1, -1)
 
 
+def _compact(q_ranges, k_ranges, mask_types, capacity=None):
+    """The non-empty slices first, in their order, then the empty ``[0, 0)`` ones; at most ``capacity``.
+
+    A stable partition by a cumulative sum and one scatter (every index
+    distinct, so deterministic everywhere): static shapes, no host sync. The
+    builders write every empty slice as ``[0, 0)`` ``FULL`` (all zeros), so
+    moving the empties keeps them exact. ``capacity`` may cut the list only
+    where the caller knows that no more slices than that can be non-empty.
+    """
+    n = mask_types.shape[0]
+    keep = n if capacity is None else min(n, capacity)
+    if n == 0:
+        return q_ranges, k_ranges, mask_types
+    live = (q_ranges[:, 1] > q_ranges[:, 0]) & (k_ranges[:, 1] > k_ranges[:, 0])
+    rank = live.to(torch.int64).cumsum(0)
+    # The i-th slice is the (rank[i] - 1)-th non-empty one, or the (i - rank[i])-th empty one.
+    dest = torch.where(live, rank - 1, rank[-1] + torch.arange(n, device=rank.device) - rank)
+    moved = tuple(torch.empty_like(x).index_copy_(0, dest, x)[:keep] for x in (q_ranges, k_ranges, mask_types))
+    return moved
+
+
 def _padding_documents(mask, Sq, Sk, causal):
     """Per-row documents from a 2-D padding mask ``(B, Sk)`` bool: int64 ``(B,)`` each.
 
@@ -122,8 +194,9 @@ def _padding_documents(mask, Sq, Sk, causal):
     # argmax returns the first maximal index: the first 1, and from the end the last 1.
     first = torch.where(has_keys, torch.argmax(m, dim=1), zero)
     end = torch.where(has_keys, Sk - torch.argmax(m.flip(1), dim=1), zero)
-    # Strict mode only (a host sync); every layer gets the same mask object, so it is
-    # checked once per forward, not per layer.
+    # Strict mode only (a host sync). The mask function checks once per mask type; the
+    # version stamp keeps layers that build their own ranges from the same mask object
+    # from checking it again.
     if (strict_enabled(None) and values_readable(mask)
             and getattr(mask, "_flashrange_checked_version", None) != mask._version):
         lengths = m.sum(dim=1)
@@ -147,23 +220,51 @@ def _padding_documents(mask, Sq, Sk, causal):
     return base_q + qs, base_q + qe, base_k + first, base_k + end
 
 
-def _packed_documents(position_ids, B, S):
-    """Documents of packed rows from ``position_ids`` ``(B or 1, S)``: int64 ``(B*S,)`` each.
-
-    A document starts at token 0 of a row and wherever the position does not
-    grow by exactly 1. Every token position gets a slot; the slot of a token
-    that starts a document holds ``[t, next start)``, the others are empty,
-    so the count is static.
-    """
+def _starts_from_positions(position_ids, B, S):
+    """``(B, S)`` bool: token ``t`` starts a document (``t == 0``, or its position is not the previous + 1)."""
     if position_ids.dim() != 2 or position_ids.shape[-1] != S or position_ids.shape[0] not in (1, B):
         raise ValueError(
             f"position_ids must have shape ({B}, {S}) or (1, {S}) to describe packed documents, got "
             f"{tuple(position_ids.shape)}; pass cu_seq_lens_q/k instead for other layouts"
         )
-    dev = position_ids.device
     pos = position_ids.to(torch.int64).expand(B, S)
-    starts = torch.ones(B, S, dtype=torch.bool, device=dev)
-    starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+    first = torch.ones(B, 1, dtype=torch.bool, device=pos.device)
+    return torch.cat([first, (pos[:, 1:] - pos[:, :-1]) != 1], dim=1)
+
+
+def _starts_from_mask_function(mask_function, B, S, q_offset, kv_offset, cache_position, device):
+    """``(B, S)`` bool: token ``t`` starts a document, read off transformers' own mask function.
+
+    transformers keeps the documents it found in ``position_ids`` inside the
+    mask function it builds (``packed_sequence_mask_function``); the mask
+    function never receives ``position_ids``. A causal token sees the token
+    just before it exactly when both are in one document, so evaluating the
+    function on the pairs ``(t, t - 1)`` (elementwise, as transformers' own
+    non-vmap expansion does) gives the boundaries without knowing how the
+    function stores them. A window of one token, which sees no neighbour,
+    splits every token into its own document: the same mask.
+    """
+    b = torch.arange(B, device=device).view(B, 1)
+    h = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    t = torch.arange(1, S, device=device).view(1, S - 1)
+    if cache_position is not None:  # transformers 4 passes the absolute query positions
+        q = cache_position.to(device)[1:].view(1, S - 1)
+    else:
+        q = t + q_offset
+    sees_previous = mask_function(b, h, q, t - 1 + kv_offset).to(device=device, dtype=torch.bool).expand(B, S - 1)
+    first = torch.ones(B, 1, dtype=torch.bool, device=device)
+    return torch.cat([first, ~sees_previous], dim=1)
+
+
+def _packed_documents(starts):
+    """Documents of packed rows from their starts ``(B, S)`` bool: int64 ``(B*S,)`` each.
+
+    Every token position gets a slot; the slot of a token that starts a
+    document holds ``[t, next start)``, the others are empty, so the count
+    is static.
+    """
+    B, S = starts.shape
+    dev = starts.device
     t = torch.arange(S, dtype=torch.int64, device=dev).expand(B, S)
     never = torch.full((B, S), S, dtype=torch.int64, device=dev)
     start_at = torch.where(starts, t, never)
@@ -174,6 +275,52 @@ def _packed_documents(position_ids, B, S):
     qs = (base + t).reshape(-1)
     qe = (base + torch.where(starts, end, t)).reshape(-1)
     return qs, qe, qs, qe
+
+
+def _build(B, Sq, Sk, padding, starts, cu_seq_lens_q, cu_seq_lens_k, causal, sliding_window, device):
+    """The slices of one layer type; see :func:`build_ranges`. ``starts``: packed document starts or ``None``."""
+    if sliding_window is not None and not causal:
+        raise NotImplementedError(
+            "bidirectional sliding-window attention is not supported by the flashrange backend; "
+            "use attn_implementation='sdpa' for this model"
+        )
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    capacity = None
+    if padding is not None:
+        if padding.dim() != 2 or padding.dtype != torch.bool:
+            raise ValueError(
+                f"the flashrange backend takes a 2-D bool padding mask (B, kv_len), got a "
+                f"{padding.dim()}-D {padding.dtype} mask of shape {tuple(padding.shape)}"
+            )
+        if tuple(padding.shape) != (B, Sk):
+            raise ValueError(
+                f"attention_mask has shape {tuple(padding.shape)} but the layer has {B} rows of "
+                f"{Sk} keys; static KV caches are not supported by the flashrange backend (use the "
+                "default dynamic cache)"
+            )
+        docs = _padding_documents(padding, Sq, Sk, causal)
+    elif causal and cu_seq_lens_q is not None:
+        cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int64).reshape(-1)
+        cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(device=device, dtype=torch.int64).reshape(-1)
+        if cu_q.numel() < 2 or cu_k.numel() != cu_q.numel():
+            raise ValueError(
+                f"cu_seq_lens_q and cu_seq_lens_k must be (N + 1,) cumulative lengths of the same N >= 1 "
+                f"documents, got {cu_q.numel()} and {cu_k.numel()} values"
+            )
+        docs = (cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])
+    elif causal and starts is not None and Sq == Sk:
+        docs = _packed_documents(starts)
+        # The documents partition the B * Sq query rows and the slices of one document
+        # partition its rows, so at most B * Sq slices are non-empty, windowed or not.
+        capacity = B * Sq
+    else:
+        rows = torch.arange(B, dtype=torch.int64, device=device)
+        docs = (rows * Sq, rows * Sq + Sq, rows * Sk, rows * Sk + Sk)
+    slices = _causal_slices(*docs, sliding_window) if causal else _full_slices(*docs)
+    # Documents first and the empty slots after them, all [0, 0) FULL: the plan's cheapest
+    # case for slots that a shape-only capacity leaves empty.
+    return _compact(*slices, capacity)
 
 
 def build_ranges(
@@ -207,46 +354,14 @@ def build_ranges(
 
     Returns:
         ``q_ranges (S, 2)``, ``k_ranges (S, 2)``, ``mask_types (S,)`` int32,
-        where ``S`` depends only on shapes, never on the values.
+        where ``S`` depends only on shapes, never on the values: the
+        non-empty slices first, then ``[0, 0)`` ``FULL`` padding slices.
     """
     B, Sq, Sk = int(batch_size), int(q_len), int(kv_len)
-    if sliding_window is not None and not causal:
-        raise NotImplementedError(
-            "bidirectional sliding-window attention is not supported by the flashrange backend; "
-            "use attn_implementation='sdpa' for this model"
-        )
-    if sliding_window is not None and int(sliding_window) < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
-            raise ValueError(
-                f"the flashrange backend takes a 2-D bool padding mask (B, kv_len), got a "
-                f"{attention_mask.dim()}-D {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}"
-            )
-        if tuple(attention_mask.shape) != (B, Sk):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but the layer has {B} rows of "
-                f"{Sk} keys; static KV caches are not supported by the flashrange backend (use the "
-                "default dynamic cache)"
-            )
-        docs = _padding_documents(attention_mask, Sq, Sk, causal)
-    elif causal and cu_seq_lens_q is not None:
-        cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int64).reshape(-1)
-        cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(device=device, dtype=torch.int64).reshape(-1)
-        if cu_q.numel() < 2 or cu_k.numel() != cu_q.numel():
-            raise ValueError(
-                f"cu_seq_lens_q and cu_seq_lens_k must be (N + 1,) cumulative lengths of the same N >= 1 "
-                f"documents, got {cu_q.numel()} and {cu_k.numel()} values"
-            )
-        docs = (cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])
-    elif causal and position_ids is not None and Sq == Sk:
-        docs = _packed_documents(position_ids.to(device), B, Sq)
-    else:
-        rows = torch.arange(B, dtype=torch.int64, device=device)
-        docs = (rows * Sq, rows * Sq + Sq, rows * Sk, rows * Sk + Sk)
-    if causal:
-        return _causal_slices(*docs, sliding_window)
-    return _full_slices(*docs)
+    starts = None
+    if attention_mask is None and causal and cu_seq_lens_q is None and position_ids is not None and Sq == Sk:
+        starts = _starts_from_positions(position_ids.to(device), B, Sq)
+    return _build(B, Sq, Sk, attention_mask, starts, cu_seq_lens_q, cu_seq_lens_k, causal, sliding_window, device)
 
 
 # --------------------------------------------------------------------------- transformers hooks
@@ -267,6 +382,8 @@ def _check_supported(dropout, attention_mask, kwargs):
         raise NotImplementedError("attention sinks (s_aux) are not supported by the flashrange backend")
     if kwargs.get("position_bias", None) is not None:
         raise NotImplementedError("additive position biases are not supported by the flashrange backend")
+    if isinstance(attention_mask, PlannedMask):
+        return
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(
@@ -274,6 +391,17 @@ def _check_supported(dropout, attention_mask, kwargs):
             "ranges from the 2-D padding mask (B, S), position_ids or cu_seq_lens_q/k. Pass those instead "
             "of a 4-D mask or additive bias, or use attn_implementation='sdpa'"
         )
+
+
+def _fits(planned, B, Sq, Sk, causal, sliding_window):
+    """Whether ``planned`` was built for a layer of this shape, causality and window."""
+    return (
+        planned.batch_size == B
+        and planned.q_length == Sq
+        and planned.kv_length == Sk
+        and planned.causal == causal
+        and planned.sliding_window == sliding_window
+    )
 
 
 def flashrange_attention_forward(
@@ -293,8 +421,9 @@ def flashrange_attention_forward(
 
     ``query``: ``(B, Hq, S_q, D)``; ``key``: ``(B, Hkv, S_k, D)``; ``value``:
     ``(B, Hkv, S_k, Dv)``; ``attention_mask``: what :func:`flashrange_mask`
-    returned (``(B, S_k)`` bool or ``None``). Returns ``(out, None)`` with
-    ``out`` ``(B, S_q, Hq, Dv)``, as transformers' other backends.
+    returned (a :class:`PlannedMask`), or a ``(B, S_k)`` bool padding mask,
+    or ``None``. Returns ``(out, None)`` with ``out`` ``(B, S_q, Hq, Dv)``, as
+    transformers' other backends.
     """
     _check_supported(dropout, attention_mask, kwargs)
     B, Hq, Sq, D = query.shape
@@ -304,12 +433,28 @@ def flashrange_attention_forward(
     causal = bool(is_causal)
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
+    q = query.transpose(1, 2).reshape(B * Sq, Hq, D)
+    k = key.transpose(1, 2).reshape(B * Sk, Hkv, D)
+    v = value.transpose(1, 2).reshape(B * Sk, Hkv, value.shape[-1])
+    softcap = 0.0 if softcap is None else softcap
     cu_q, cu_k = kwargs.get("cu_seq_lens_q", None), kwargs.get("cu_seq_lens_k", None)
+    planned = attention_mask if isinstance(attention_mask, PlannedMask) else None
+    if planned is not None and cu_q is None and _fits(planned, B, Sq, Sk, causal, sliding_window):
+        # The common case: ranges and plan come from the mask function, built once for
+        # every layer of this type. They are ours, so there is nothing to check strictly.
+        out, _ = attention(
+            q, k, v, planned.q_ranges, planned.k_ranges, planned.mask_types, plan=planned.plan,
+            softmax_scale=scaling, softcap=softcap, strict=False,
+        )
+        return out.view(B, Sq, Hq, v.shape[-1]), None
+    # This layer builds (and plans) its own ranges: no plan, one made for another
+    # layer, or documents given as cu_seq_lens, which only the attention call sees.
+    padding = planned.padding if planned is not None else attention_mask
     q_ranges, k_ranges, mask_types = build_ranges(
         B,
         Sq,
         Sk,
-        attention_mask=attention_mask,
+        attention_mask=padding,
         position_ids=kwargs.get("position_ids", None),
         cu_seq_lens_q=cu_q,
         cu_seq_lens_k=cu_k,
@@ -317,15 +462,11 @@ def flashrange_attention_forward(
         sliding_window=sliding_window,
         device=query.device,
     )
-    q = query.transpose(1, 2).reshape(B * Sq, Hq, D)
-    k = key.transpose(1, 2).reshape(B * Sk, Hkv, D)
-    v = value.transpose(1, 2).reshape(B * Sk, Hkv, value.shape[-1])
     # Only user-given cu_seq_lens can be out of bounds (the other builders cannot): their
     # values are checked in strict mode (FLASHRANGE_STRICT=1), like every range.
     out, _ = attention(
-        q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=scaling,
-        softcap=0.0 if softcap is None else softcap,
-        strict=None if (attention_mask is None and causal and cu_q is not None) else False,
+        q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=scaling, softcap=softcap,
+        strict=None if (padding is None and causal and cu_q is not None) else False,
     )
     return out.view(B, Sq, Hq, v.shape[-1]), None
 
@@ -339,6 +480,57 @@ def _is_or_overlay(fn):
     return getattr(fn, "__name__", "") == "or_mask"
 
 
+def _closure_value(fn, name):
+    """The value ``fn`` closes over under ``name``, or ``None`` (plain Python; never traced)."""
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if code is None or closure is None or name not in code.co_freevars:
+        return None
+    return closure[code.co_freevars.index(name)].cell_contents
+
+
+def _plainly_unpacked(fn, depth=0):
+    """Whether ``fn`` is built only of transformers' causal and sliding-window functions (no packing).
+
+    Anything else (a packed-sequence function, or a structure this does not
+    know) answers ``False``, which only costs the packed layout's capacity.
+    """
+    if fn is _HF_CAUSAL:
+        return True
+    if getattr(fn, "__qualname__", "").startswith("sliding_window_overlay."):
+        return True
+    if getattr(fn, "__name__", "") == "and_mask" and depth < 8:
+        parts = _closure_value(fn, "mask_functions")
+        return isinstance(parts, tuple) and all(_plainly_unpacked(g, depth + 1) for g in parts)
+    return False
+
+
+def _may_be_packed(mask_function):
+    """Whether a causal mask function may hold packed documents (decided on the host, from its structure).
+
+    Under ``torch.compile`` transformers adds its packed-sequence function
+    whenever ``position_ids`` come without a padding mask (it cannot read
+    them to see whether they restart), and dynamo cannot look inside a
+    closure: any function but the plain causal one may be packed there. In
+    eager mode transformers adds it only when the positions do restart, and
+    the closure can be read, so unpacked sliding-window layers keep one
+    document per row.
+    """
+    if mask_function is None or mask_function is _HF_CAUSAL:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return not _plainly_unpacked(mask_function)
+
+
+def _is_bidirectional(mask_function, kwargs):
+    # transformers >= 5 builds bidirectional masks from bidirectional_mask_function and
+    # passes allow_is_bidirectional_skip (the sliding-window variant wraps the function).
+    return (_HF_BIDIRECTIONAL is not None and mask_function is _HF_BIDIRECTIONAL) or (
+        "allow_is_bidirectional_skip" in kwargs
+    )
+
+
 def flashrange_mask(
     batch_size=None,
     q_length=None,
@@ -349,11 +541,18 @@ def flashrange_mask(
     attention_mask=None,
     **kwargs,
 ):
-    """transformers mask function for ``"flashrange"``: the 2-D padding mask, never a dense one.
+    """transformers mask function for ``"flashrange"``: the ranges and plan of one mask type, never a dense mask.
 
-    Returns ``attention_mask[:, kv_offset : kv_offset + kv_length]`` (bool
-    ``(B, kv_length)``, the keys the layer sees), or ``None`` without a
-    padding mask. Raises for mask patterns the backend cannot express.
+    transformers calls it once per forward for each mask type (full,
+    sliding-window, bidirectional) with the sizes of the layers of that type
+    (``q_length``, ``kv_length``, ``kv_offset`` of the KV cache; transformers
+    4 passes ``cache_position`` instead of ``q_length`` / ``q_offset``) and
+    the 2-D padding mask. Returns a :class:`PlannedMask` that every layer of
+    the type receives as ``attention_mask``: the padding mask's columns the
+    layer sees (``attention_mask[:, kv_offset : kv_offset + kv_length]``,
+    bool, or ``None``), the slices and their plan. Without the sizes it
+    returns that padding mask alone and each layer builds its own ranges.
+    Raises for mask patterns the backend cannot express.
     """
     config = kwargs.get("config", None)
     if kwargs.get("use_vmap", False) or _is_or_overlay(mask_function):
@@ -364,19 +563,44 @@ def flashrange_mask(
         )
     if config is not None and getattr(config, "attention_chunk_size", None) is not None:
         raise NotImplementedError("chunked attention (attention_chunk_size) is not supported by the flashrange backend")
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() != 2:
         return attention_mask  # a prepared mask: the attention function explains the error
-    if kv_length is None:
-        return attention_mask.to(torch.bool)
-    if kv_offset + kv_length > attention_mask.shape[-1]:
-        raise ValueError(
-            f"the layer sees {kv_length} keys from offset {kv_offset} but the attention_mask has "
-            f"{attention_mask.shape[-1]} columns: static KV caches are not supported by the flashrange "
-            "backend (use the default dynamic cache)"
+    padding = None
+    if attention_mask is not None:
+        if kv_length is None:
+            return attention_mask.to(torch.bool)
+        if kv_offset + kv_length > attention_mask.shape[-1]:
+            raise ValueError(
+                f"the layer sees {kv_length} keys from offset {kv_offset} but the attention_mask has "
+                f"{attention_mask.shape[-1]} columns: static KV caches are not supported by the flashrange "
+                "backend (use the default dynamic cache)"
+            )
+        padding = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+    cache_position = kwargs.get("cache_position", None)
+    if q_length is None and cache_position is not None:
+        q_length = cache_position.shape[0]
+    device = padding.device if padding is not None else kwargs.get("device", None)
+    if device is None and cache_position is not None:
+        device = cache_position.device
+    if batch_size is None or q_length is None or kv_length is None or device is None:
+        return padding  # sizes unknown: each layer builds its ranges from the padding mask
+    causal = not _is_bidirectional(mask_function, kwargs)
+    # local_size is the window of sliding-window masks (chunked ones are refused above).
+    window = kwargs.get("local_size", None)
+    starts = None
+    # One token per row is one document whatever the packing (and leaves no pair to look at).
+    if padding is None and causal and q_length == kv_length and q_length > 1 and _may_be_packed(mask_function):
+        starts = _starts_from_mask_function(
+            mask_function, batch_size, q_length, q_offset, kv_offset, cache_position, device
         )
-    return attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+    q_ranges, k_ranges, mask_types = _build(
+        batch_size, q_length, kv_length, padding, starts, None, None, causal, window, device
+    )
+    # Our own ranges are in bounds by construction: nothing to check on the host.
+    plan = plan_mask(q_ranges, k_ranges, mask_types, batch_size * q_length, batch_size * kv_length, strict=False)
+    return PlannedMask(
+        padding, q_ranges, k_ranges, mask_types, plan, batch_size, q_length, kv_length, causal, window
+    )
 
 
 def _skip_flash_import(name):
