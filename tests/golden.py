@@ -1,6 +1,11 @@
 """Dense float64 definitions the tests compare against (DESIGN §6).
 
-``dense_attention`` is softmax attention over a dense matrix of cover counts
+Nothing here imports flashrange: the goldens are written from the
+definitions, so a bug shared by the library's own helpers (``RangeMask.coverage``,
+``reference.coverage_counts``) cannot hide in them.
+
+``dense_counts`` is the mask of DESIGN §2 written cell by cell from the
+per-type inequalities. ``dense_attention`` is softmax attention over a dense matrix of cover counts
 (a cell covered ``c`` times weighs ``c``, as a key that appears ``c`` times),
 written the plain way in float64 and differentiable with ``torch.autograd``.
 Rows with no covered cell get ``out = 0`` and ``lse = -inf`` and take no part
@@ -35,6 +40,46 @@ def dense_attention(q, k, v, counts, softmax_scale=None, softcap=0.0):
     return out, lse
 
 
+# Mask-type codes of DESIGN §2 (MagiAttention's attn_type_map), written out here on purpose.
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+
+
+def dense_counts(q_ranges, k_ranges, mask_types, Tq, Tk):
+    """Int32 `(Tq, Tk)`: how many slices cover each cell, from the inequalities of DESIGN §2.
+
+    Slice ``[qs, qe) x [ks, ke)`` (ranges clamped to ``[0, Tq]`` / ``[0, Tk]``
+    first, as the kernels do) with ``Lq = qe - qs``, ``Lk = ke - ks``,
+    ``i' = i - qs``, ``j' = j - ks`` covers cell ``(i, j)`` of its rectangle when
+
+    - FULL: always;
+    - CAUSAL: ``j' <= i' + (Lk - Lq)`` (bottom-right aligned);
+    - INV_CAUSAL: ``j' >= i'`` (top-left aligned);
+    - BI_CAUSAL: both (nothing when ``Lq > Lk``).
+
+    Empty slices and unknown types contribute nothing; a cell covered by two
+    slices counts twice. Accepts tensors or nested lists.
+    """
+    as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else list(x)  # noqa: E731
+    qr, kr, mt = as_list(q_ranges), as_list(k_ranges), as_list(mask_types)
+    counts = torch.zeros(Tq, Tk, dtype=torch.int32)
+    i = torch.arange(Tq).unsqueeze(1)  # every cell's row ...
+    j = torch.arange(Tk).unsqueeze(0)  # ... and column
+    for (qs, qe), (ks, ke), t in zip(qr, kr, mt):
+        qs, qe = min(max(int(qs), 0), Tq), min(max(int(qe), 0), Tq)
+        ks, ke = min(max(int(ks), 0), Tk), min(max(int(ke), 0), Tk)
+        if qe <= qs or ke <= ks or t not in (FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL):
+            continue
+        Lq, Lk = qe - qs, ke - ks
+        ip, jp = i - qs, j - ks
+        cell = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
+        if t in (CAUSAL, BI_CAUSAL):
+            cell = cell & (jp <= ip + (Lk - Lq))
+        if t in (INV_CAUSAL, BI_CAUSAL):
+            cell = cell & (jp >= ip)
+        counts += cell.to(torch.int32)
+    return counts
+
+
 def fa3_window_counts(Lq, Lk, causal=False, window_size=(-1, -1)):
     """Int32 `(Lq, Lk)` mask of FlashAttention-3 for one sequence, from its inequality.
 
@@ -57,7 +102,7 @@ def fa3_window_counts(Lq, Lk, causal=False, window_size=(-1, -1)):
 
 def max_err(a, b):
     """Largest absolute difference, treating equal infinities as equal."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     same_inf = torch.isinf(a) & (a == b)
     d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
     return float(d.max()) if d.numel() else 0.0

@@ -26,7 +26,7 @@ from flashrange import (
     flex_flash_attn_func,
     range_attention,
 )
-from golden import dense_attention, fa3_window_counts, max_err
+from golden import dense_attention, dense_counts, fa3_window_counts, max_err
 
 F64_TOL = 1e-10
 
@@ -190,7 +190,7 @@ def test_flex_flash_attn_func_defaults_and_old_positional_order():
     old_out, old_lse = flex_flash_attn_func(q, k, v, q_ranges, k_ranges, 19, 23, types)
     new_out, new_lse = flex_flash_attn_func(q, k, v, q_ranges, k_ranges, types, 19, 23)
     assert torch.equal(old_out, new_out) and torch.equal(old_lse, new_lse)
-    gold_out, _ = dense_attention(q, k, v, RangeMask(q_ranges, k_ranges, types).coverage(19, 23))
+    gold_out, _ = dense_attention(q, k, v, dense_counts(q_ranges, k_ranges, types, 19, 23))
     assert max_err(new_out, gold_out) < F64_TOL
 
 

@@ -21,7 +21,7 @@ import torch
 from flashrange import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, RangeMask, bucket_capacity
 from flashrange.picture import mask_image
 from flashrange.window import window_slices
-from golden import fa3_window_counts
+from golden import dense_counts, fa3_window_counts
 
 
 def _grid(Tq, Tk):
@@ -33,7 +33,7 @@ def _check_builder(mask, expected):
     Tq, Tk = expected.shape
     for t in mask.tensors():
         assert t.dtype == torch.int32
-    cov = mask.coverage(Tq, Tk)
+    cov = dense_counts(*mask.tensors(), Tq, Tk)
     assert torch.equal(cov > 0, expected), f"{mask}\ncovered:\n{cov}\nexpected:\n{expected.int()}"
     assert cov.numel() == 0 or int(cov.max()) <= 1, f"{mask} covers a cell twice"
     assert mask.overlaps() is None
@@ -199,7 +199,7 @@ def test_pad_to_and_bucketed():
     assert padded.num_slices == n + 4
     assert padded.q_ranges[n:].tolist() == [[0, 0]] * 4 and padded.k_ranges[n:].tolist() == [[0, 0]] * 4
     assert padded.mask_types[n:].tolist() == [FULL] * 4
-    assert torch.equal(padded.coverage(9, 9), m.coverage(9, 9)) and padded.area() == m.area()
+    assert torch.equal(dense_counts(*padded.tensors(), 9, 9), dense_counts(*m.tensors(), 9, 9)) and padded.area() == m.area()
     assert m.pad_to(n) is m
     assert m.bucketed().num_slices == bucket_capacity(n) == 4
     assert m.bucketed(min_capacity=9).num_slices == 16
@@ -236,9 +236,9 @@ def test_area_and_overlaps_against_dense_on_random_masks(seed):
             a, c = rng.randint(0, Tq), rng.randint(0, Tk)
             rows.append(([a, rng.randint(a, Tq)], [c, rng.randint(c, Tk)], rng.randint(0, 3)))
         m = RangeMask([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-        cov = m.coverage(Tq, Tk)
+        cov = dense_counts(*m.tensors(), Tq, Tk)
         assert m.area() == int(cov.sum())
-        single = [RangeMask([r[0]], [r[1]], [r[2]]).to_dense(Tq, Tk) for r in rows]
+        single = [dense_counts([r[0]], [r[1]], [r[2]], Tq, Tk) > 0 for r in rows]
         brute = next(((s, t) for s, t in itertools.combinations(range(len(rows)), 2)
                       if bool((single[s] & single[t]).any())), None)
         found = m.overlaps()
@@ -291,7 +291,7 @@ def test_plot_picture_density_matches_dense_average():
     m = RangeMask.varlen([0, 500, 1200], causal=True, window_size=(150, 0))
     img, exact = mask_image(m, T, T)
     assert not exact
-    dense = m.to_dense(T, T).double()
+    dense = (dense_counts(*m.tensors(), T, T) > 0).double()
     rows = img.shape[0]
     sample = ((torch.arange(rows, dtype=torch.float64) + 0.5) * T / rows).long()
     edges = torch.round(torch.arange(img.shape[1] + 1, dtype=torch.float64) * T / img.shape[1]).long()
@@ -322,6 +322,6 @@ def test_window_slices_static_count_and_no_host_read(left, right, pieces):
     assert qr.shape[0] == pieces * B
     empty = (qr[:, 1] <= qr[:, 0]) | (kr[:, 1] <= kr[:, 0])
     assert int(qr[empty].abs().sum() + kr[empty].abs().sum() + mt[empty].abs().sum()) == 0, "empties are [0, 0) FULL"
-    dense = RangeMask(qr, kr, mt).coverage(20, 20)
-    host = RangeMask.varlen(cu, window_size=(left, right)).coverage(20, 20)
+    dense = dense_counts(qr, kr, mt, 20, 20)
+    host = dense_counts(*RangeMask.varlen(cu, window_size=(left, right)).tensors(), 20, 20)
     assert torch.equal(dense, host)

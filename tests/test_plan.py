@@ -7,7 +7,7 @@ import torch
 
 from flashrange.kernels.plan import build_block_plan as build_plan
 from flashrange.plan import build_block_plan_torch
-from flashrange.reference import coverage_counts
+from golden import dense_counts
 
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton-interpreter")]
 
@@ -48,7 +48,7 @@ def test_windows_cover_every_meeting_slice(Tq, Tk, S, garbage, transpose, backen
     n_blocks = max(1, -(-T // block))
     assert plan.block_lo.shape == plan.block_hi.shape == plan.block_order.shape == (n_blocks,)
     assert sorted(plan.block_order.tolist()) == list(range(n_blocks))
-    cnt = coverage_counts(qr, kr, mt, Tq, Tk)
+    cnt = dense_counts(qr, kr, mt, Tq, Tk)
     slices = plan.slices.tolist()
     for b in range(n_blocks):
         b0, b1 = b * block, min(T, (b + 1) * block)
@@ -57,7 +57,7 @@ def test_windows_cover_every_meeting_slice(Tq, Tk, S, garbage, transpose, backen
             if t < 0:
                 assert idx not in window
                 continue
-            single = coverage_counts(
+            single = dense_counts(
                 torch.tensor([[qs, qe]], dtype=torch.int32), torch.tensor([[ks, ke]], dtype=torch.int32),
                 torch.tensor([t], dtype=torch.int32), Tq, Tk,
             )
@@ -66,7 +66,7 @@ def test_windows_cover_every_meeting_slice(Tq, Tk, S, garbage, transpose, backen
                 assert idx in window, (b, idx)
     # Every covered cell belongs to some valid slice of the plan.
     total = sum(
-        coverage_counts(torch.tensor([[s[0], s[1]]], dtype=torch.int32), torch.tensor([[s[2], s[3]]], dtype=torch.int32),
+        dense_counts(torch.tensor([[s[0], s[1]]], dtype=torch.int32), torch.tensor([[s[2], s[3]]], dtype=torch.int32),
                         torch.tensor([s[4]], dtype=torch.int32), Tq, Tk).sum().item()
         for s in slices if s[4] >= 0
     )
@@ -101,7 +101,7 @@ def test_heaviest_blocks_first(mtype, transpose):
     mt = torch.full((3,), mtype, dtype=torch.int32)
     block = 16
     plan = build_block_plan_torch(qr, kr, mt, 101, 120, block, transpose=transpose)
-    cnt = coverage_counts(qr, kr, mt, 101, 120)
+    cnt = dense_counts(qr, kr, mt, 101, 120)
     per_pos = cnt.sum(0) if transpose else cnt.sum(1)
     n = plan.block_order.shape[0]
     work = torch.zeros(n * block, dtype=torch.int64)

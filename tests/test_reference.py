@@ -20,7 +20,7 @@ import torch
 
 from flashrange import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, RangeMask
 from flashrange.reference import range_attention_backward, range_attention_forward
-from golden import dense_attention, max_err
+from golden import dense_attention, dense_counts, max_err
 
 F64_TOL = 1e-10
 
@@ -72,7 +72,7 @@ def test_forward_float64_matches_dense(Tq, Tk, Hq, Hkv, D, Dv, n_slices, uncover
     mask = _random_mask(Tq, Tk, n_slices, seed=Tq * 131 + Tk, uncovered_rows=uncovered)
     q, k, v = _inputs(Tq, Tk, Hq, Hkv, D, Dv, seed=1)
     out, lse = range_attention_forward(q, k, v, *mask.tensors(), softcap=softcap)
-    gold_out, gold_lse = dense_attention(q, k, v, mask.coverage(Tq, Tk), softcap=softcap)
+    gold_out, gold_lse = dense_attention(q, k, v, dense_counts(*mask.tensors(), Tq, Tk), softcap=softcap)
     assert out.dtype == torch.float64 and lse.shape == (Tq, Hq)
     assert max_err(out, gold_out) < F64_TOL
     assert max_err(lse, gold_lse) < F64_TOL
@@ -90,7 +90,7 @@ def test_backward_float64_matches_autograd(Tq, Tk, Hq, Hkv, D, Dv, n_slices, unc
     dq, dk, dv = range_attention_backward(dout, q, k, v, out, lse, *mask.tensors(), softcap=softcap, dlse=dlse)
 
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    gold_out, gold_lse = dense_attention(qg, kg, vg, mask.coverage(Tq, Tk), softcap=softcap)
+    gold_out, gold_lse = dense_attention(qg, kg, vg, dense_counts(*mask.tensors(), Tq, Tk), softcap=softcap)
     covered = torch.isfinite(gold_lse)
     loss = (gold_out * dout).sum() + (torch.where(covered, gold_lse, 0.0) * dlse).sum()
     gq, gk, gv = torch.autograd.grad(loss, (qg, kg, vg))
@@ -126,7 +126,7 @@ def _dense_low_precision(q, k, v, counts, softcap):
 def test_low_precision_three_way(dtype, Tq, Tk, Hq, Hkv, D, Dv, n_slices, uncovered, softcap):
     mask = _random_mask(Tq, Tk, n_slices, seed=Tq * 7 + Tk, uncovered_rows=uncovered)
     q, k, v = _inputs(Tq, Tk, Hq, Hkv, D, Dv, seed=4, dtype=dtype)
-    counts = mask.coverage(Tq, Tk)
+    counts = dense_counts(*mask.tensors(), Tq, Tk)
     out, lse = range_attention_forward(q, k, v, *mask.tensors(), softcap=softcap)
     assert out.dtype == dtype and lse.dtype == torch.float32
     gold_out, gold_lse = dense_attention(q, k, v, counts, softcap=softcap)
@@ -178,9 +178,9 @@ def test_cell_covered_twice_counts_twice():
     assert max_err(lse1 + math.log(2.0), lse2) < F64_TOL
     # Half-overlap: keys [0, 4) covered twice weigh double, against the dense golden.
     half = RangeMask([[0, Tq], [0, Tq]], [[0, 4], [0, Tk]], [FULL, FULL])
-    assert int(half.coverage(Tq, Tk).max()) == 2
+    assert int(dense_counts(*half.tensors(), Tq, Tk).max()) == 2
     out3, _ = range_attention_forward(q, k, v, *half.tensors())
-    gold, _ = dense_attention(q, k, v, half.coverage(Tq, Tk))
+    gold, _ = dense_attention(q, k, v, dense_counts(*half.tensors(), Tq, Tk))
     assert max_err(out3, gold) < F64_TOL
 
 
@@ -218,8 +218,87 @@ def test_softcap_and_scale_change_result_as_defined():
     q = q * 4  # large scores, so the cap matters
     for scale, cap in ((None, 3.0), (0.37, 0.0), (0.37, 1.5)):
         out, lse = range_attention_forward(q, k, v, *mask.tensors(), softmax_scale=scale, softcap=cap)
-        gold_out, gold_lse = dense_attention(q, k, v, mask.coverage(Tq, Tk), softmax_scale=scale, softcap=cap)
+        gold_out, gold_lse = dense_attention(q, k, v, dense_counts(*mask.tensors(), Tq, Tk), softmax_scale=scale, softcap=cap)
         assert max_err(out, gold_out) < F64_TOL and max_err(lse, gold_lse) < F64_TOL
     capped, _ = range_attention_forward(q, k, v, *mask.tensors(), softcap=1.0)
     plain, _ = range_attention_forward(q, k, v, *mask.tensors())
     assert max_err(capped, plain) > 1e-3
+
+
+# ----------------------------------------------------------------------------- the golden mask itself
+
+
+def _m(rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+# One slice each, placed away from the tensor edges: (q_range, k_range, type, Tq, Tk, expected cells of the
+# rectangle written out by hand from DESIGN §2).
+PICTURES = [
+    pytest.param((1, 4), (2, 4), BI_CAUSAL, 5, 6, _m([[0, 0], [0, 0], [0, 0]]), id="bi_causal-Lq3>Lk2-empty"),
+    pytest.param((1, 3), (1, 5), BI_CAUSAL, 4, 6, _m([[1, 1, 1, 0], [0, 1, 1, 1]]), id="bi_causal-Lq2<Lk4-band"),
+    pytest.param((2, 4), (1, 5), INV_CAUSAL, 5, 6, _m([[1, 1, 1, 1], [0, 1, 1, 1]]), id="inv_causal-Lq2<Lk4"),
+    pytest.param((0, 4), (3, 5), INV_CAUSAL, 4, 5, _m([[1, 1], [0, 1], [0, 0], [0, 0]]), id="inv_causal-Lq4>Lk2"),
+    pytest.param((1, 5), (0, 2), CAUSAL, 6, 3, _m([[0, 0], [0, 0], [1, 0], [1, 1]]), id="causal-Lq4>Lk2-top-empty"),
+    pytest.param((0, 2), (1, 5), CAUSAL, 3, 6, _m([[1, 1, 1, 0], [1, 1, 1, 1]]), id="causal-Lq2<Lk4"),
+    pytest.param((0, 3), (0, 2), FULL, 3, 2, _m([[1, 1], [1, 1], [1, 1]]), id="full"),
+]
+
+
+@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk, cells", PICTURES)
+def test_dense_counts_pictures(q_range, k_range, mtype, Tq, Tk, cells):
+    """The golden mask on hand-drawn pictures: every type with Lq != Lk both ways, offset rectangles."""
+    counts = dense_counts([q_range], [k_range], [mtype], Tq, Tk)
+    want = torch.zeros(Tq, Tk, dtype=torch.int32)
+    want[q_range[0]:q_range[1], k_range[0]:k_range[1]] = cells
+    assert torch.equal(counts, want), f"\n{counts}\n!=\n{want}"
+
+
+def test_dense_counts_clamps_drops_and_counts_twice():
+    Tq, Tk = 4, 5
+    rows = [((-3, 2), (0, 9), CAUSAL), ((0, 0), (0, 5), FULL), ((3, 1), (0, 5), FULL), ((0, 4), (0, 5), 7),
+            ((2, 4), (1, 3), FULL), ((2, 4), (1, 3), FULL)]
+    counts = dense_counts([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], Tq, Tk)
+    want = torch.zeros(Tq, Tk, dtype=torch.int32)
+    # (-3, 2) x (0, 9) clamps to [0, 2) x [0, 5): Lq = 2, Lk = 5, j' <= i' + 3.
+    want[0, 0:4] = 1
+    want[1, 0:5] = 1
+    want[2:4, 1:3] = 2  # the same FULL slice twice; empty, reversed and unknown-type slices add nothing
+    assert torch.equal(counts, want), f"\n{counts}"
+
+
+@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk, cells", PICTURES)
+def test_reference_on_every_geometry(q_range, k_range, mtype, Tq, Tk, cells):
+    """The reference against the golden on the pictures above, with a second slice overlapping, fp64, fwd + bwd."""
+    mask = RangeMask([q_range, (0, Tq)], [k_range, (0, 1)], [mtype, FULL])
+    q, k, v = _inputs(Tq, Tk, 2, 1, 8, 4, seed=Tq + Tk + mtype)
+    out, lse = range_attention_forward(q, k, v, *mask.tensors())
+    counts = dense_counts(*mask.tensors(), Tq, Tk)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    gold_out, gold_lse = dense_attention(qg, kg, vg, counts)
+    assert max_err(out, gold_out) < F64_TOL and max_err(lse, gold_lse) < F64_TOL
+    dout = torch.randn(Tq, 2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = range_attention_backward(dout, q, k, v, out, lse, *mask.tensors())
+    gold = torch.autograd.grad((gold_out * dout).sum(), (qg, kg, vg))
+    for g, e in zip(grads, gold):
+        assert max_err(g, e) < F64_TOL
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(3)])
+def test_library_dense_helpers_match_the_golden(seed):
+    """``RangeMask.coverage`` / ``to_dense`` and ``reference.coverage_counts`` against the independent golden,
+    on garbage masks (out of range, reversed, empty, unknown types, overlaps)."""
+    from flashrange.reference import coverage_counts
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        Tq, Tk = rng.randint(1, 12), rng.randint(1, 12)
+        n = rng.randint(0, 6)
+        qr = [[rng.randint(-3, Tq + 3), rng.randint(-3, Tq + 3)] for _ in range(n)]
+        kr = [[rng.randint(-3, Tk + 3), rng.randint(-3, Tk + 3)] for _ in range(n)]
+        mt = [rng.randint(-1, 4) for _ in range(n)]
+        want = dense_counts(qr, kr, mt, Tq, Tk)
+        m = RangeMask(_m(qr).reshape(-1, 2), _m(kr).reshape(-1, 2), _m(mt).reshape(-1))
+        assert torch.equal(coverage_counts(*m.tensors(), Tq, Tk), want), (qr, kr, mt)
+        assert torch.equal(m.coverage(Tq, Tk).to(torch.int32), want), (qr, kr, mt)
+        assert torch.equal(m.to_dense(Tq, Tk), want > 0), (qr, kr, mt)
