@@ -44,7 +44,7 @@ from transformers import (  # noqa: E402
 from transformers import masking_utils as hf_masks  # noqa: E402
 
 import flashrange.integrations.transformers as frt  # noqa: E402
-from flashrange.reference import coverage_counts  # noqa: E402
+from golden import dense_counts  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
 VOCAB = 61
@@ -488,7 +488,7 @@ def _hf_oracle(B, Sq, Sk, causal, window, mask=None, position_ids=None):
 def _ours(B, Sq, Sk, **kw):
     qr, kr, mt = frt.build_ranges(B, Sq, Sk, device="cpu", **kw)
     assert qr.dtype == kr.dtype == mt.dtype == torch.int32
-    cov = coverage_counts(qr, kr, mt, B * Sq, B * Sk)
+    cov = dense_counts(qr, kr, mt, B * Sq, B * Sk)
     assert int(cov.max()) <= 1, "slices overlap"
     blocks = cov.view(B, Sq, B, Sk)
     for b1 in range(B):
