@@ -21,6 +21,7 @@ on CUDA (float32 and bfloat16) and the compiled step with inductor.
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import subprocess
@@ -28,6 +29,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -60,13 +62,13 @@ DEVICE_DTYPES = [CPU, *GPU_PARAMS]
 # --------------------------------------------------------------------------- models
 
 
-def _config(kind):
+def _config(kind, layers=2):
     """Tiny config and the attention implementation that is the reference for it."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=40,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         max_position_embeddings=64,
         tie_word_embeddings=False,
@@ -101,7 +103,7 @@ def _config(kind):
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=40,
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             max_position_embeddings=64,
             type_vocab_size=1,
@@ -112,9 +114,9 @@ def _config(kind):
     raise AssertionError(kind)
 
 
-def _model(kind, seed=0):
+def _model(kind, seed=0, layers=2):
     """Float64 model with sharpened attention (scores of order 1, so softcap and scaling matter)."""
-    cfg, ref = _config(kind)
+    cfg, ref = _config(kind, layers)
     torch.manual_seed(seed)
     if kind == "bert":
         model = BertForMaskedLM._from_config(cfg, attn_implementation=ref)
@@ -429,6 +431,189 @@ def test_compiled_training_step_has_no_graph_break(kind, layout, device, dtype):
 
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert backend.frame_count == 1, f"compiled {backend.frame_count} times for {n_batches} batches of one shape"
+    # The mask function's plan is in the graph once per mask type, not once per layer.
+    plans = sum(str(n.target).startswith("flashrange.plan") for g in backend.graphs for n in g.graph.nodes)
+    assert plans == MASK_TYPES[kind], f"{plans} plan ops in the compiled graph, expected {MASK_TYPES[kind]}"
+
+
+# --------------------------------------------------------------------------- plan once per forward
+
+# Distinct mask types per model (transformers builds one mask per type and forward):
+# Mistral's layers all slide, Qwen2 has a global layer and sliding ones, Gemma-2 alternates.
+MASK_TYPES = {"llama": 1, "mistral": 1, "qwen2": 2, "gemma2": 2, "bert": 1}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every op that reaches the dispatcher (flashrange's custom ops included) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def plans(self):
+        return self.counts["flashrange.plan"]
+
+
+def _flashrange_model(kind, layers):
+    model, _ = _model(kind, layers=layers)
+    model = model.float()
+    model.set_attn_implementation("flashrange")
+    return model.train()
+
+
+@pytest.mark.parametrize("layout", ["padded", "position_ids"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2", "bert"])
+def test_plans_once_per_mask_type(kind, layout):
+    """A forward + backward of a 4-layer model plans each mask type once; the layers and the backward reuse it."""
+    if kind == "bert" and layout != "padded":
+        pytest.skip("an encoder has no packing")
+    layers = 4
+    model = _flashrange_model(kind, layers)
+    docs, _ = _docs(LAYOUT_DOCS[layout], seed=2)
+    batch, _, _ = _make_batch(docs, layout)
+    extra = {} if kind == "bert" else {"use_cache": False}
+    with _OpCounter() as counter:
+        model(**batch, **extra).logits.sum().backward()
+    assert counter.counts["flashrange.fwd"] == layers
+    assert counter.counts["flashrange.bwd"] == layers
+    assert counter.plans == MASK_TYPES[kind], f"{counter.plans} plans for {MASK_TYPES[kind]} mask types"
+
+
+@pytest.mark.parametrize("layout", ["padded", "position_ids"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_planned_layers_match_per_layer_ranges(kind, layout, monkeypatch):
+    """The mask function's ranges and plan give bitwise the logits and gradients of ranges built in each layer."""
+    model = _flashrange_model(kind, layers=3)
+    docs, targets = _docs(LAYOUT_DOCS[layout], seed=4)
+    batch, spans, _ = _make_batch(docs, layout)
+    planned = _run_batch(model, "flashrange", "cpu", torch.float32, batch, spans, targets)
+    monkeypatch.setattr(frt, "_fits", lambda *args: False)  # every layer takes the per-layer path
+    with _OpCounter() as counter:
+        per_layer = _run_batch(model, "flashrange", "cpu", torch.float32, batch, spans, targets)
+    assert counter.plans == MASK_TYPES[kind] + 3, "the per-layer path did not run"
+    assert torch.equal(planned[0], per_layer[0])
+    for name, grad in planned[1].items():
+        assert torch.equal(grad, per_layer[1][name]), name
+
+
+def test_cu_seq_lens_plan_in_each_layer():
+    """cu_seq_lens reach only the attention call, so each layer builds and plans its own ranges.
+
+    (The mask function, which cannot see them, has planned the unpacked rows once by then.)
+    """
+    layers = 3
+    model = _flashrange_model("llama", layers)
+    docs, _ = _docs(LAYOUT_DOCS["cu_seq_lens"], seed=6)
+    batch, _, _ = _make_batch(docs, "cu_seq_lens")
+    with _OpCounter() as counter:
+        model(**batch, use_cache=False)
+    assert counter.plans == 1 + layers
+
+
+def _planned_mask(kind, batch):
+    """What transformers hands the layers of each mask type for ``batch`` (through our mask function)."""
+    cfg, _ = _config(kind)
+    cfg._attn_implementation = "flashrange"
+    ids = batch["input_ids"]
+    embeds = torch.zeros(*ids.shape, 8)
+    kw = dict(
+        config=cfg,
+        inputs_embeds=embeds,
+        attention_mask=batch.get("attention_mask"),
+        cache=None,
+        position_ids=batch.get("position_ids"),
+    )
+    if kind == "llama":
+        return hf_masks.create_causal_mask(**kw), None
+    return hf_masks.create_sliding_window_causal_mask(**kw), cfg.sliding_window
+
+
+def _dense(planned):
+    B, S = planned.batch_size, planned.q_length
+    cov = dense_counts(planned.q_ranges, planned.k_ranges, planned.mask_types, B * S, B * planned.kv_length)
+    assert int(cov.max()) <= 1, "slices overlap"
+    return torch.stack([cov.view(B, S, B, -1)[b, :, b] for b in range(B)]).bool()
+
+
+def _assert_compacted(q_ranges, k_ranges, mask_types):
+    live = (q_ranges[:, 1] > q_ranges[:, 0]) & (k_ranges[:, 1] > k_ranges[:, 0])
+    n = int(live.sum())
+    assert bool(live[:n].all()), "an empty slice sits between documents"
+    assert not q_ranges[n:].any() and not k_ranges[n:].any() and not mask_types[n:].any(), "padding is not [0, 0) FULL"
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("packed", [True, False], ids=["restarting", "one-document"])
+def test_mask_function_ranges(kind, packed):
+    """The mask function's slices match transformers' masks; packed rows get B*S slots, the rest one per row.
+
+    transformers finds the packing (eager: only positions that restart); the
+    mask function reads it off the mask function it is given.
+    """
+    B, S = 2, 17
+    if packed:
+        pos = torch.cat([torch.arange(5), torch.arange(1), torch.arange(7), torch.arange(4)]).expand(B, S)
+    else:
+        pos = torch.arange(S).expand(B, S)
+    planned, window = _planned_mask(kind, {"input_ids": torch.zeros(B, S, dtype=torch.long), "position_ids": pos})
+    assert isinstance(planned, frt.PlannedMask)
+    assert planned.padding is None and planned.causal and planned.sliding_window == window
+    assert torch.equal(_dense(planned), _hf_oracle(B, S, S, True, window, position_ids=pos))
+    per_doc = 1 if window is None else 3
+    assert planned.mask_types.shape[0] == (B * S if packed else per_doc * B)
+    _assert_compacted(planned.q_ranges, planned.k_ranges, planned.mask_types)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=lambda w: f"window{w}")
+def test_mask_function_ranges_under_compile(window):
+    """Traced, transformers always hands over its packed-sequence function; the slices and capacity follow it."""
+    B, S = 2, 13
+    cfg, _ = _config("mistral" if window else "llama")
+    if window:
+        cfg.sliding_window = window
+    cfg._attn_implementation = "flashrange"
+    create = hf_masks.create_sliding_window_causal_mask if window else hf_masks.create_causal_mask
+
+    def ranges(embeds, pos):
+        planned = create(config=cfg, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos)
+        return planned.q_ranges, planned.k_ranges, planned.mask_types
+
+    compiled = torch.compile(ranges, fullgraph=True, backend="eager")
+    for pos in (
+        torch.stack([torch.cat([torch.arange(6), torch.arange(7)]), torch.arange(S)]),
+        torch.arange(S).expand(B, S),
+    ):
+        qr, kr, mt = compiled(torch.zeros(B, S, 8), pos)
+        assert mt.shape[0] == B * S
+        _assert_compacted(qr, kr, mt)
+        cov = dense_counts(qr, kr, mt, B * S, B * S).view(B, S, B, S)
+        ours = torch.stack([cov[b, :, b] for b in range(B)]).bool()
+        assert torch.equal(ours, _hf_oracle(B, S, S, True, window, position_ids=pos))
+
+
+def test_planned_mask_padding_and_bidirectional():
+    """Padding masks give one document per row (three slices with a window), compacted; encoders get FULL rows."""
+    docs, _ = _docs([13, 6, 10], seed=1)
+    batch, _, _ = _padded(docs, ["right", "left", "right"])
+    for kind in ("llama", "mistral"):
+        planned, window = _planned_mask(kind, batch)
+        assert planned.mask_types.shape[0] == 3 * (1 if window is None else 3)
+        _assert_compacted(planned.q_ranges, planned.k_ranges, planned.mask_types)
+        mask = batch["attention_mask"]
+        valid = _valid_queries(mask, mask.shape[1])
+        assert torch.equal(_dense(planned)[valid], _hf_oracle(3, 13, 13, True, window, mask=mask)[valid])
+    cfg, _ = _config("bert")
+    cfg._attn_implementation = "flashrange"
+    planned = hf_masks.create_bidirectional_mask(
+        config=cfg, inputs_embeds=torch.zeros(3, 13, 8), attention_mask=batch["attention_mask"]
+    )
+    assert not planned.causal
+    assert torch.equal(_dense(planned), _hf_oracle(3, 13, 13, False, None, mask=batch["attention_mask"]))
 
 
 # --------------------------------------------------------------------------- generation
@@ -439,16 +624,19 @@ def test_compiled_training_step_has_no_graph_break(kind, layout, device, dtype):
 def test_generate_left_padded_with_sliding_cache(kind, device, dtype):
     """Greedy decoding through a dynamic cache whose sliding layers drop old keys (kv_offset > 0).
 
-    Mistral: every layer slides; Qwen2: a global layer and a sliding one.
+    Mistral: every layer slides; Qwen2: a global layer and a sliding one. Each
+    step (prefill, then one token at a time) plans each mask type once.
     """
-    model, ref_impl = _model(kind)
+    model, ref_impl = _model(kind, layers=3)
     docs, _ = _docs([9, 6], seed=7)
     batch, _, _ = _padded(docs, ["left", "left"])
     runs = {}
     for name, impl, dt in [("gold", ref_impl, torch.float64), ("ref", ref_impl, dtype), ("test", "flashrange", dtype)]:
         m = copy.deepcopy(model).to(device=device, dtype=dt).eval()
         m.set_attn_implementation(impl)
-        with torch.no_grad():
+        steps = []
+        m.model.register_forward_pre_hook(lambda *_: steps.append(1))
+        with torch.no_grad(), _OpCounter() as counter:
             out = m.generate(
                 **_to(batch, device),
                 max_new_tokens=7,
@@ -458,6 +646,8 @@ def test_generate_left_padded_with_sliding_cache(kind, device, dtype):
                 pad_token_id=0,
             )
         runs[name] = (out.sequences.cpu(), torch.stack(out.logits).double().cpu())
+        if impl == "flashrange":
+            assert counter.plans == len(steps) * MASK_TYPES[kind], f"{counter.plans} plans in {len(steps)} steps"
     assert torch.equal(runs["test"][0], runs["gold"][0])
     _three_way(runs["test"][1], runs["ref"][1], runs["gold"][1], "generation logits")
 
@@ -488,6 +678,7 @@ def _hf_oracle(B, Sq, Sk, causal, window, mask=None, position_ids=None):
 def _ours(B, Sq, Sk, **kw):
     qr, kr, mt = frt.build_ranges(B, Sq, Sk, device="cpu", **kw)
     assert qr.dtype == kr.dtype == mt.dtype == torch.int32
+    _assert_compacted(qr, kr, mt)
     cov = dense_counts(qr, kr, mt, B * Sq, B * Sk)
     assert int(cov.max()) <= 1, "slices overlap"
     blocks = cov.view(B, Sq, B, Sk)
@@ -541,9 +732,9 @@ def test_packed_ranges_match_transformers_masks(window):
     )
     ours, n_slices = _ours(3, 17, 17, position_ids=pos, causal=True, sliding_window=window)
     assert torch.equal(ours, _hf_oracle(3, 17, 17, True, window, position_ids=pos))
-    # The slice count is a function of the shape only.
+    # The slice count is a function of the shape only: one slot per token, windowed or not.
     _, n_other = _ours(3, 17, 17, position_ids=torch.arange(17).expand(3, 17), causal=True, sliding_window=window)
-    assert n_slices == n_other
+    assert n_slices == n_other == 3 * 17
 
 
 @pytest.mark.parametrize("window", [None, 2, 6], ids=lambda w: f"window{w}")
