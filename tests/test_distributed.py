@@ -1,0 +1,435 @@
+"""Context parallelism (``flashrange.distributed``) on the CPU.
+
+- The host planner, without processes: chunks tile the padded sequence,
+  every rank holds as many tokens, what is sent is what is received, the
+  balance is at least as good as the contiguous split, and the keys a rank
+  receives are exactly the keys its rows read that it does not own (checked
+  against a dense coverage built here from the per-type inequalities).
+- The local ranges, simulated in one process: every rank's slices over its
+  key buffers reproduce its rows of the single-device result, in one call
+  and in two stages merged through lse.
+- :func:`merge_partials` alone, rows covered by nothing included.
+- Real process groups (gloo, spawned, float64): 2, 3 and 4 ranks over many
+  masks (full, causal, uneven documents, sliding window, prefix-LM, random
+  overlapping slices of every type with empty ones, a mask leaving ranks
+  without work), both overlap modes: outputs, lse and summed gradients
+  against :func:`flashrange.range_attention` on one device (<= 1e-10
+  relative), bitwise-equal reruns, ``torch.compile(fullgraph=True)`` of a
+  training step, and ``opcheck`` of the ops.
+
+One process group per world size: each spawned worker loops over every mask.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import flashrange
+from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
+from flashrange.distributed import ContextParallel, default_chunk_size, merge_partials, plan_context_parallel
+
+F64 = torch.float64
+RTOL, ATOL = 1e-10, 1e-12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster, and much faster on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _random_mask(rng, T, S):
+    """Random slices: overlapping, of every type, with empty ones (some outside [0, T])."""
+    qr, kr, mt = [], [], []
+    for _ in range(S):
+        t = rng.randint(0, 3)
+        if rng.random() < 0.2:
+            e = rng.choice([0, rng.randint(0, T), T + 5])
+            qr.append([e, e]); kr.append(sorted([rng.randint(0, T), rng.randint(0, T)])); mt.append(t)  # noqa: E702
+            continue
+        a = rng.randint(0, T - 1)
+        b = rng.randint(a + 1, min(T, a + 1 + rng.choice([1, 3, T])))
+        c = rng.randint(0, T - 1)
+        d = rng.randint(c + 1, min(T, c + 1 + rng.choice([1, 4, T])))
+        qr.append([a, b]); kr.append([c, d]); mt.append(t)  # noqa: E702
+    i32 = torch.int32
+    return (torch.tensor(qr, dtype=i32).reshape(-1, 2), torch.tensor(kr, dtype=i32).reshape(-1, 2),
+            torch.tensor(mt, dtype=i32))
+
+
+def _masks():
+    """``(name, T, chunk_size, (q_ranges, k_ranges, mask_types))`` for the process tests (small, odd sizes)."""
+    M = flashrange.RangeMask
+    cases = [
+        ("full", 37, 4, M.full(37).tensors()),
+        ("causal", 50, 3, M.causal(50).tensors()),
+        ("documents", 61, 5, M.varlen([0, 3, 20, 21, 45, 61], causal=True).tensors()),
+        ("documents_default_chunk", 61, None, M.varlen([0, 13, 14, 40, 61], causal=True).tensors()),
+        ("sliding_window", 53, 4, M.sliding_window(53, 7).tensors()),
+        ("window_in_documents", 47, 3, M.varlen([0, 17, 30, 47], window_size=(4, 2)).tensors()),
+        ("prefix_lm", 41, 6, M.prefix_lm(41, 9).tensors()),
+        # Rows [0, 5) only: after the first chunk, ranks have nothing to compute.
+        ("one_rank_works", 60, 5, M([[0, 5]], [[0, 30]], [FULL]).tensors()),
+        ("inv_and_bi", 33, 4, M([[0, 20], [5, 33], [10, 14]], [[3, 33], [0, 30], [10, 30]],
+                                [INV_CAUSAL, BI_CAUSAL, CAUSAL]).tensors()),
+    ]
+    rng = random.Random(0)
+    for i in range(7):
+        T = rng.randint(9, 64)
+        cases.append((f"random{i}", T, rng.randint(1, 7), _random_mask(rng, T, rng.randint(1, 9))))
+    return cases
+
+
+def _dense_coverage(qr, kr, mt, T):
+    """Bool `(T, T)` from the per-type inequalities of the semantics (independent of the library)."""
+    cov = torch.zeros(T, T, dtype=torch.bool)
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    for (qs, qe), (ks, ke), t in zip(qr.tolist(), kr.tolist(), mt.tolist()):
+        if qe <= qs or ke <= ks:
+            continue
+        inside = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
+        below = (j - ks) <= (i - qs) + (ke - ks) - (qe - qs)
+        above = (j - ks) >= (i - qs)
+        cell = {FULL: inside, CAUSAL: inside & below, INV_CAUSAL: inside & above, BI_CAUSAL: inside & below & above}
+        cov |= cell[t]
+    return cov
+
+
+def _intervals_to_set(rows):
+    out = set()
+    for a, b in rows:
+        out.update(range(a, b))
+    return out
+
+
+# ----------------------------------------------------------------------------- planner (no processes)
+
+
+def _planner_cases():
+    rng = random.Random(1)
+    cases = [(name, T, C, m) for name, T, C, m in _masks()]
+    for i in range(40):
+        T = rng.randint(1, 70)
+        cases.append((f"rand{i}", T, rng.choice([None, 1, 2, 3, 5, 8]), _random_mask(rng, T, rng.randint(0, 8))))
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_planner_properties(world):
+    for name, T, C, (qr, kr, mt) in _planner_cases():
+        p = plan_context_parallel(qr, kr, mt, T, world, C)
+        ctx = f"{name}, world {world}"
+        # Chunks tile the padded sequence; every rank holds the same number of tokens.
+        assert p.num_chunks % world == 0 and p.padded_seqlen >= T, ctx
+        idx = [p.local_index(r) for r in range(world)]
+        assert all(x.numel() == p.local_seqlen for x in idx), ctx
+        assert torch.equal(torch.sort(torch.cat(idx)).values, torch.arange(p.padded_seqlen)), ctx
+        # Sends equal receives, pairwise.
+        for s in range(world):
+            for d in range(world):
+                assert p.send_splits(s)[d] == p.recv_splits(d)[s], ctx
+            assert p.send_index(s).numel() == sum(p.send_splits(s)), ctx
+        assert int(p.send_tokens.sum()) == int(p.recv_tokens.sum()), ctx
+        # Balance: at least as good as the contiguous split, and the areas add up to the mask's.
+        assert int(p.rank_area().max()) <= int(p.rank_area(contiguous=True).max()), ctx
+        assert int(p.rank_area().sum()) == flashrange.RangeMask(qr, kr, mt).area(), ctx
+        # Keys: exactly what the local rows read, minus what the rank owns.
+        cov = _dense_coverage(qr, kr, mt, T)
+        for r in range(world):
+            rows = idx[r][idx[r] < T]
+            need = set(cov[rows].any(0).nonzero().flatten().tolist())
+            assert _intervals_to_set(p.needed_intervals(r).tolist()) == need, ctx
+            got = p.recv_intervals(r)
+            assert not bool((got[:, 0] == r).any()), ctx
+            assert _intervals_to_set(got[:, 1:].tolist()) == need - set(idx[r].tolist()), ctx
+            assert sum(b - a for _, a, b in got.tolist()) == sum(p.recv_splits(r)), ctx
+
+
+def _simulate(qr, kr, mt, T, world, C, seed=0):
+    """Run every rank's local ranges in one process, moving keys through the plan's own indices."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(T, h, d, generator=g, dtype=F64) for h, d in ((4, 8), (2, 8), (2, 6)))
+    out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+    p = plan_context_parallel(qr, kr, mt, T, world, C)
+
+    def pad(x):
+        return torch.cat([x, x.new_zeros((p.padded_seqlen - T,) + x.shape[1:])])
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    idx = [p.local_index(r) for r in range(world)]
+    sent = [(kp[idx[s]][p.send_index(s)], vp[idx[s]][p.send_index(s)]) for s in range(world)]
+    for r in range(world):
+        parts_k, parts_v = [], []
+        for s in range(world):
+            off, n = sum(p.send_splits(s)[:r]), p.send_splits(s)[r]
+            parts_k.append(sent[s][0][off:off + n])
+            parts_v.append(sent[s][1][off:off + n])
+        k_rem, v_rem = torch.cat(parts_k), torch.cat(parts_v)
+        lr = p.local_ranges(r)
+        ql, kl, vl = qp[idx[r]], kp[idx[r]], vp[idx[r]]
+        o, l = flashrange.range_attention(ql, torch.cat([kl, k_rem]), torch.cat([vl, v_rem]), *lr.combined)
+        o0, l0 = flashrange.range_attention(ql, kl, vl, *lr.local)
+        o1, l1 = flashrange.range_attention(ql, k_rem, v_rem, *lr.remote)
+        om, lm = merge_partials([o0, o1], [l0, l1])
+        real = idx[r] < T
+        gi = idx[r][real]
+        for oo, ll in ((o, l), (om, lm)):
+            torch.testing.assert_close(oo[real], out[gi], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(ll[real], lse[gi], rtol=RTOL, atol=ATOL)
+            assert torch.isneginf(ll[~real]).all() and not bool(oo[~real].any())
+
+
+def test_local_ranges_simulated():
+    rng = random.Random(2)
+    for name, T, C, m in _masks():
+        for world in (2, 3):
+            _simulate(*m, T, world, C)
+    for trial in range(100):
+        T = rng.randint(1, 80)
+        _simulate(*_random_mask(rng, T, rng.randint(0, 9)), T, rng.randint(1, 5), rng.randint(1, 12), seed=trial)
+
+
+def test_planner_errors_and_defaults():
+    qr, kr, mt = flashrange.RangeMask.causal(10).tensors()
+    with pytest.raises(ValueError, match="outside"):
+        plan_context_parallel(qr, kr, mt, 9, 2)
+    with pytest.raises(ValueError, match="chunk_size"):
+        plan_context_parallel(qr, kr, mt, 10, 2, chunk_size=0)
+    with pytest.raises(ValueError, match="world_size"):
+        plan_context_parallel(qr, kr, mt, 10, 0)
+    with pytest.raises(ValueError, match="self-attention"):
+        ContextParallel(qr, kr, mt, 10, 12)
+    # Default chunks: the padding stays below a sixteenth of the sequence (or one chunk per rank).
+    for T in (1, 7, 100, 4096, 100_003, 1 << 20, 3_000_001):
+        for W in (1, 2, 3, 8):
+            c = default_chunk_size(T, W)
+            n = -(-(-(-T // c)) // W) * W
+            assert n * c - T <= max(T // 16, W * c), (T, W, c)
+
+
+def test_planner_one_million_tokens_fast():
+    """1M tokens, 4096 uneven causal documents, 8 simulated ranks: vectorised, well under a few seconds."""
+    T, W = 1 << 20, 8
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(4096, generator=g) + 0.2
+    lens = (w / w.sum() * T).long()
+    lens[-1] += T - lens.sum()
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    mask = flashrange.RangeMask.varlen(cu, causal=True)
+    t0 = time.perf_counter()
+    p = plan_context_parallel(*mask.tensors(), T, W)
+    p.local_ranges(0)
+    p.send_index(0)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 5.0, elapsed
+    assert p.imbalance() <= p.imbalance(contiguous=True)
+    assert p.imbalance() < 1.05
+    assert int(p.recv_tokens.sum()) < int(p.ring_tokens.sum()) // 100
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def test_merge_partials():
+    g = torch.Generator().manual_seed(3)
+    T = 40
+    qr, kr, mt = _random_mask(random.Random(5), T, 8)
+    q, k, v = (torch.randn(T, 2, 8, generator=g, dtype=F64) for _ in range(3))
+    out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+    assert bool(torch.isneginf(lse).any()), "the mask should leave rows uncovered"
+    # Split the keys into three random disjoint sets; each part sees only its keys.
+    part = torch.randint(0, 3, (T,), generator=g)
+    outs, lses = [], []
+    for j in range(3):
+        keep = (part == j)[:, None, None]
+        ko, vo = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+        # Cells on dropped keys must not count: restrict with a per-key FULL mask product.
+        cov = flashrange.RangeMask(qr, kr, mt).coverage(T, T) * (part == j)[None, :]
+        o, l = _dense_attention(q, ko, vo, cov)
+        outs.append(o)
+        lses.append(l)
+    mo, ml = merge_partials(outs, lses)
+    torch.testing.assert_close(mo, out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(ml, lse, rtol=RTOL, atol=ATOL)
+    # Rows no part covers: out 0, lse -inf, no NaN.
+    empty = torch.isneginf(lse)
+    assert not bool(mo[empty].any()) and not bool(torch.isnan(mo).any())
+    # One part passes through; float32 lse stays float32.
+    o1, l1 = merge_partials([outs[0]], [lses[0]])
+    assert o1 is outs[0] and l1 is lses[0]
+    o32, l32 = merge_partials([x.float() for x in outs], [x.float() for x in lses])
+    assert l32.dtype == torch.float32 and o32.dtype == torch.float32
+    # All parts -inf.
+    z, zl = merge_partials([torch.ones(3, 1, 2)] * 2, [torch.full((3, 1), float("-inf"))] * 2)
+    assert not bool(z.any()) and bool(torch.isneginf(zl).all())
+    with pytest.raises(ValueError):
+        merge_partials([outs[0]], [])
+    with pytest.raises(ValueError):
+        merge_partials([outs[0], outs[1][:3]], [lses[0], lses[1][:3]])
+
+
+def _dense_attention(q, k, v, counts):
+    """Dense float64 attention with multiplicities ``counts`` `(T, Tk)` (a cell covered twice counts twice)."""
+    s = torch.einsum("ihd,jhd->hij", q, k) / q.shape[-1] ** 0.5
+    logits = torch.where(counts > 0, s + torch.log(counts.to(s.dtype)), float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None].clamp(min=-1e300)), 0.0)
+    return torch.einsum("hij,jhd->ihd", p, v), lse.transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _reference(qr, kr, mt, T, seed, scale, softcap):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, 4, 8, generator=g, dtype=F64, requires_grad=True)
+    k = torch.randn(T, 2, 8, generator=g, dtype=F64, requires_grad=True)
+    v = torch.randn(T, 2, 6, generator=g, dtype=F64, requires_grad=True)
+    dout = torch.randn(T, 4, 6, generator=g, dtype=F64)
+    dlse = torch.randn(T, 4, generator=g, dtype=F64)
+    out, lse = flashrange.range_attention(q, k, v, qr, kr, mt, softmax_scale=scale, softcap=softcap)
+    _loss(out, lse, dout, dlse).backward()
+    return (q, k, v, dout, dlse), (out.detach(), lse.detach(), q.grad, k.grad, v.grad)
+
+
+def _loss(out, lse, dout, dlse):
+    # -inf lse rows (uncovered, padding) carry no gradient: keep them out of the sum.
+    return (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
+
+
+def _cp_run(cp, inputs, scale, softcap):
+    q, k, v, dout, dlse = inputs
+    ql, kl, vl = (cp.dispatch(x.detach()).requires_grad_() for x in (q, k, v))
+    out, lse = cp.attention(ql, kl, vl, softmax_scale=scale, softcap=softcap)
+    _loss(out, lse, cp.dispatch(dout), cp.dispatch(dlse)).backward()
+    return out.detach(), lse.detach(), ql.grad, kl.grad, vl.grad
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _worker(rank, world, store_path, compile_step):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        for i, (name, T, C, (qr, kr, mt)) in enumerate(_masks()):
+            scale, softcap = (0.3, 2.0) if i % 4 == 1 else (None, 0.0)
+            inputs, want = _reference(qr, kr, mt, T, i, scale, softcap)
+            for overlap in (True, False):
+                what = f"{name} (world {world}, overlap={overlap})"
+                cp = ContextParallel(qr, kr, mt, T, T, chunk_size=C, overlap=overlap)
+                got = _cp_run(cp, inputs, scale, softcap)
+                # Summed gradients: each rank holds the full gradient of its own tokens.
+                for g, w, label in zip(got, want, ("out", "lse", "dq", "dk", "dv")):
+                    _close(cp.undispatch(g), w, f"{what} {label}")
+                again = _cp_run(cp, inputs, scale, softcap)
+                assert all(torch.equal(a, b) for a, b in zip(got, again)), f"{what}: rerun not bitwise equal"
+        # undispatch is differentiable (every rank holds the same global loss).
+        name, T, C, (qr, kr, mt) = _masks()[2]
+        cp = ContextParallel(qr, kr, mt, T, T, chunk_size=C)
+        x = torch.randn(T, 3, dtype=F64)
+        xl = cp.dispatch(x).requires_grad_()
+        (cp.undispatch(xl) * x).sum().backward()
+        _close(xl.grad, cp.dispatch(x), "undispatch backward")
+        with pytest.raises(ValueError, match="tokens"):
+            cp.dispatch(x[:-1])
+        with pytest.raises(ValueError, match="holds"):
+            cp.attention(*(torch.zeros(T, 2, 4, dtype=F64),) * 3)
+        if compile_step:
+            _compiled_step(cp, rank, world, compile_step)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Block(torch.nn.Module):
+    """Projection -> context-parallel attention -> projection, on local tokens `(T_local, 16)`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 4 * 8 + 2 * 2 * 8, dtype=F64)
+        self.proj = torch.nn.Linear(4 * 8, 16, dtype=F64)
+
+    def forward(self, x, cp):
+        q, k, v = self.qkv(x).split([32, 16, 16], -1)
+        out, _ = cp.attention(q.reshape(-1, 4, 8), k.reshape(-1, 2, 8), v.reshape(-1, 2, 8))
+        return self.proj(out.reshape(-1, 32))
+
+
+def _compiled_step(cp, rank, world, backend):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x = torch.randn(cp.total_seqlen, 16, dtype=F64, generator=torch.Generator().manual_seed(9))
+    xl = cp.dispatch(x)
+
+    def step(model, xl, cp):
+        loss = model(xl, cp).square().sum()
+        loss.backward()
+        return loss.detach()
+
+    eager, compiled = _Block(), _Block()
+    want = step(eager, xl, cp)
+    # The forward graph and, through AOTAutograd, the backward graph: fullgraph fails on any break.
+    got = step(torch.compile(compiled, fullgraph=True, backend=backend), xl, cp)
+    _close(got, want, f"compiled loss ({backend}, rank {rank})")
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        _close(b.grad, a.grad, f"compiled grad ({backend}, rank {rank})")
+
+
+def _spawn(world, tmp_path, compile_step=None):
+    store = os.path.join(str(tmp_path), f"store{world}")
+    mp.start_processes(_worker, args=(world, store, compile_step), nprocs=world, start_method="spawn")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_context_parallel_exact(world, tmp_path):
+    _spawn(world, tmp_path, "aot_eager" if world == 2 else None)
+
+
+def _single_worker(rank, store_path):
+    """World size 1 on a real gloo group: opcheck of the ops and an inductor-compiled step."""
+    import torch.distributed as dist
+
+    from flashrange.distributed import ops as cp_ops
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=0, world_size=1)
+    try:
+        T = 29
+        qr, kr, mt = flashrange.RangeMask.varlen([0, 11, 29], causal=True).tensors()
+        cp = ContextParallel(qr, kr, mt, T, chunk_size=4)
+        inputs, want = _reference(qr, kr, mt, T, 0, None, 0.0)
+        got = _cp_run(cp, inputs, None, 0.0)
+        for g, w in zip(got, want):
+            _close(cp.undispatch(g), w, "world 1")
+        ql, kl, vl = (cp.dispatch(x.detach()).requires_grad_() for x in inputs[:3])
+        args = (ql, kl, vl, cp._send_index, cp._meta, cp._ranges, cp._plans, cp._group_name, cp.recv_capacity,
+                0.35, 0.0, True)
+        torch.library.opcheck(cp_ops.attn_fwd, args)
+        xl = cp.dispatch(torch.randn(T, 3, dtype=F64)).requires_grad_()
+        torch.library.opcheck(cp_ops.undispatch, (xl, cp._local_index, cp._inverse_index, cp._group_name))
+        _compiled_step(cp, 0, 1, "inductor")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_one_opcheck_and_inductor(tmp_path):
+    mp.start_processes(_single_worker, args=(os.path.join(str(tmp_path), "store1"),), nprocs=1,
+                       start_method="spawn")
