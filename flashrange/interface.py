@@ -4,7 +4,8 @@ Every front-end (:func:`range_attention`, the MagiAttention and
 FlashAttention-3 front-ends of :mod:`flashrange.compat`, the transformers
 backend) calls :func:`attention`, which runs the static checks of
 :mod:`flashrange.validation`, the value checks when strict mode asks for
-them, plans the mask when no plan is given, and calls the ops.
+them, plans the mask when no plan is given, and calls the ops (eager CUDA
+calls call the ops' implementations directly: :func:`flashrange.ops.eager_cuda`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def plan_mask(q_ranges, k_ranges, mask_types, Tq: int, Tk: int, *, strict=None) 
         raise ValueError(f"Tq and Tk must be >= 0, got Tq={Tq}, Tk={Tk}")
     if strict_enabled(strict) and values_readable(q_ranges):
         check_range_values(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if ops.eager_cuda(q_ranges, k_ranges, mask_types):
+        return ops.plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk)
     return RangePlan(*ops.plan(q_ranges, k_ranges, mask_types, Tq, Tk))
 
 
@@ -68,13 +71,17 @@ def attention(
     Tq, Tk = q.shape[0], k.shape[0]
     if strict_enabled(strict) and values_readable(q_ranges):
         check_range_values(q_ranges, k_ranges, mask_types, Tq, Tk, names)
-    if plan is None:
-        plan = ops.plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-    else:
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if plan is not None:
         plan = check_plan(plan, mask_types.shape[0], Tq, Tk)
         if plan.q_slices.device != q.device:
             raise ValueError(f"the plan is on {plan.q_slices.device} but q is on {q.device}")
-    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if ops.eager_cuda(q, k, v, q_ranges, k_ranges, mask_types, *(plan or ())):
+        if plan is None:
+            plan = ops.plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk)
+        return ops.fwd_eager(q, k, v, q_ranges, k_ranges, mask_types, plan, scale, softcap)
+    if plan is None:
+        plan = ops.plan(q_ranges, k_ranges, mask_types, Tq, Tk)
     return ops.fwd(q, k, v, q_ranges, k_ranges, mask_types, list(plan), scale, softcap)
 
 

@@ -26,7 +26,7 @@ from . import reference
 from .constants import KERNEL_DTYPES
 from .plan import RangePlan, build_plan_torch, plan_blocks
 
-__all__ = ["plan", "fwd", "bwd"]
+__all__ = ["plan", "fwd", "bwd", "eager_cuda", "plan_eager", "fwd_eager"]
 
 
 def _triton_serves(dtype: torch.dtype) -> bool:
@@ -172,3 +172,59 @@ def _backward(ctx, dout, dlse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager CUDA calls: the same implementations, without the dispatcher.
+#
+# A call through a torch.library custom op pays for the dispatcher, the autograd
+# wrapper and dynamo's guard around the backend on every call: more than the
+# kernels of a short sequence take. Eager calls on plain CUDA tensors therefore
+# run the very functions registered above through a torch.autograd.Function
+# (same kernels, same plan, bitwise the same results); traced calls
+# (torch.compile, export, fake or functional tensors) keep the ops.
+
+
+def eager_cuda(*tensors) -> bool:
+    """Whether these tensors can take the eager path: plain CUDA tensors, not under tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return False
+    return tensors[0].is_cuda and _triton_serves(tensors[0].dtype)
+
+
+def plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan:
+    """``flashrange::plan``'s CUDA implementation, called directly (see :func:`eager_cuda`)."""
+    return RangePlan(*_plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk))
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, *plan_tensors):
+        out, lse = _fwd_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan_tensors, softmax_scale, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors)
+        ctx.softmax_scale = softmax_scale
+        ctx.softcap = softcap
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is None:
+            dlse = torch.zeros_like(lse)
+        dq, dk, dv = _bwd_cuda(
+            dout.contiguous(), dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
+            ctx.softmax_scale, ctx.softcap,
+        )
+        return (dq, dk, dv, None, None, None, None, None) + (None,) * len(plan_tensors)
+
+
+def fwd_eager(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
+    """``flashrange::fwd`` with its autograd, called directly (see :func:`eager_cuda`)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, *plan)
+    return _fwd_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)

@@ -36,6 +36,7 @@ from .common import (
     DEV_NO_DIAGONAL,
     interpreting,
     key_span,
+    launch,
     needs_int64,
     pad_dim,
     plan_split,
@@ -552,53 +553,51 @@ def _launch_preprocess(st):
     Dv = st.v.shape[2]
     out, dout, lse, dlse = st.out, st.dout, st.lse, st.dlse
     PRE_M = 64
-    _bwd_preprocess[(triton.cdiv(Tq, PRE_M), Hq)](
+    launch(_bwd_preprocess, (triton.cdiv(Tq, PRE_M), Hq), (
         out, dout, lse, dlse if dlse is not None else lse, st.delta, st.lse2,
         Tq, Dv,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         lse.stride(0), lse.stride(1),
         dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
-        HAS_DLSE=dlse is not None, BLOCK_M=PRE_M, BLOCK_DV=pad_dim(Dv),
-    )
+        dlse is not None, PRE_M, pad_dim(Dv),  # HAS_DLSE, BLOCK_M, BLOCK_DV
+    ))
 
 
 def _launch_dkdv(st):
     q, k, v, dout, dk, dv, cfg = st.q, st.k, st.v, st.dout, st.dk, st.dv, st.cfg
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
-    is_softcap = st.softcap > 0.0
+    has_softcap = st.softcap > 0.0
     plan, split = st.plan, plan_split(cfg.kv_block_n)
     n_blocks = plan.k_block_order.shape[0] * split
-    _bwd_dkdv_kernel[(n_blocks * Hkv,)](
+    launch(_bwd_dkdv_kernel, (n_blocks * Hkv,), (
         q, k, v, dout, st.lse2, st.delta, dk, dv,
         plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
         Tq, Tk, Hq, Hkv, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        st.scale, st.softcap if is_softcap else 1.0,
-        HAS_SOFTCAP=is_softcap, IS_INT64=st.row64, DOT_PRECISION=st.dot_prec, IS_BF16_EMULATED=st.emu_bf16,
-        IS_D_PADDED=pad_dim(D) != D, IS_DV_PADDED=pad_dim(Dv) != Dv, SPLIT=split,
-        BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, BLOCK_D=pad_dim(D), BLOCK_DV=pad_dim(Dv),
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
-    )
+        st.scale, st.softcap if has_softcap else 1.0,
+        has_softcap, st.row64, st.dot_prec, st.emu_bf16,  # HAS_SOFTCAP, IS_INT64, DOT_PRECISION, IS_BF16_EMULATED
+        pad_dim(D) != D, pad_dim(Dv) != Dv, split,  # IS_D_PADDED, IS_DV_PADDED, SPLIT
+        cfg.kv_block_m, cfg.kv_block_n, pad_dim(D), pad_dim(Dv),
+    ), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
 
 
 def _launch_dq(st):
     q, k, v, dout, dq, cfg = st.q, st.k, st.v, st.dout, st.dq, st.cfg
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
-    is_softcap = st.softcap > 0.0
+    has_softcap = st.softcap > 0.0
     plan, split = st.plan, plan_split(cfg.q_block_m)
     n_blocks = plan.q_block_order.shape[0] * split
-    _bwd_dq_kernel[(n_blocks * Hq,)](
+    launch(_bwd_dq_kernel, (n_blocks * Hq,), (
         q, k, v, dout, st.lse2, st.delta, dq,
         plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
         Tq, Tk, Hq, Hq // Hkv, D, Dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-        st.scale, st.softcap if is_softcap else 1.0,
-        HAS_SOFTCAP=is_softcap, IS_INT64=st.row64, DOT_PRECISION=st.dot_prec, IS_BF16_EMULATED=st.emu_bf16,
-        IS_D_PADDED=pad_dim(D) != D, IS_DV_PADDED=pad_dim(Dv) != Dv, SPLIT=split,
-        BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, BLOCK_D=pad_dim(D), BLOCK_DV=pad_dim(Dv),
-        num_warps=cfg.q_warps, num_stages=cfg.q_stages,
-    )
+        st.scale, st.softcap if has_softcap else 1.0,
+        has_softcap, st.row64, st.dot_prec, st.emu_bf16,
+        pad_dim(D) != D, pad_dim(Dv) != Dv, split,
+        cfg.q_block_m, cfg.q_block_n, pad_dim(D), pad_dim(Dv),
+    ), num_warps=cfg.q_warps, num_stages=cfg.q_stages)

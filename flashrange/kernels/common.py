@@ -14,6 +14,7 @@ a few integer comparisons.
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -33,6 +34,7 @@ __all__ = [
     "key_span",
     "query_span",
     "interpreting",
+    "launch",
     "pad_dim",
     "needs_int64",
     "plan_split",
@@ -53,6 +55,70 @@ DEV_NO_DIAGONAL = tl.constexpr(NO_DIAGONAL)
 DEV_CAUSAL = tl.constexpr(CAUSAL)
 DEV_INV_CAUSAL = tl.constexpr(INV_CAUSAL)
 DEV_BI_CAUSAL = tl.constexpr(BI_CAUSAL)
+
+
+def _spec(x):
+    """What of an argument can change the kernel Triton builds for it (a superset, to be safe)."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return x == 1, x % 16 == 0, -(2**31) <= x < 2**31, x if abs(x) < 64 else None
+    if isinstance(x, float):
+        return float
+    return x
+
+
+def _fast_path_available() -> bool:
+    try:
+        from triton import knobs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_FAST_PATH = None
+_HANDLES = {}
+
+
+def launch(kernel, grid, args, num_warps=4, num_stages=None):
+    """Launch ``kernel[grid](*args)``; repeated launches go straight to the compiled handle.
+
+    ``args`` lists every parameter of the kernel in order, constexprs included.
+    The first launch for a specialization goes through Triton's JIT dispatcher
+    (which compiles or finds the kernel); later ones skip its per-call work
+    (binding, specialization, cache key) and call the compiled kernel's
+    launcher directly, as Inductor's generated code does. The cache key holds
+    everything that can change the kernel Triton picks (dtypes, 16-byte
+    alignment of pointers, integer properties, constexpr values), so a reused
+    handle is always the one Triton would have picked. Under the interpreter,
+    or on a Triton without ``triton.knobs``, every launch takes the JIT path.
+    """
+    global _FAST_PATH
+    kwargs = {"num_warps": num_warps}
+    if num_stages is not None:
+        kwargs["num_stages"] = num_stages
+    if _FAST_PATH is None:
+        _FAST_PATH = _fast_path_available() and not interpreting()
+    if not _FAST_PATH:
+        kernel[grid](*args, **kwargs)
+        return
+    from triton import knobs
+
+    device = torch.cuda.current_device()
+    key = (kernel, device, num_warps, num_stages, tuple(_spec(a) for a in args))
+    handle = _HANDLES.get(key)
+    if handle is None:
+        _HANDLES[key] = kernel[grid](*args, **kwargs)
+        return
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch.cuda.current_stream(device).cuda_stream
+    # Launch hooks (profilers) get the same metadata as through the JIT dispatcher.
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    meta = handle.launch_metadata(grid, stream, *args) if enter is not None else None
+    handle.run(grid[0], g1, g2, stream, handle.function, handle.packed_metadata, meta, enter, leave, *args)
 
 
 def interpreting() -> bool:

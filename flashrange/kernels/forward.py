@@ -35,7 +35,17 @@ import triton
 import triton.language as tl
 
 from ..validation import resolve_scale
-from .common import DEV_LN2, DEV_NO_DIAGONAL, LOG2E, interpreting, needs_int64, pad_dim, plan_split, slice_diagonals
+from .common import (
+    DEV_LN2,
+    DEV_NO_DIAGONAL,
+    LOG2E,
+    interpreting,
+    launch,
+    needs_int64,
+    pad_dim,
+    plan_split,
+    slice_diagonals,
+)
 from .plan import build_plan
 
 __all__ = [
@@ -517,22 +527,21 @@ def _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_
         cap_in, cap_out = 2.0 * LOG2E * scale / softcap, softcap * LOG2E
     else:
         cap_in, cap_out = 0.0, 0.0
-    grid = (n_blocks * Hq,)
-    _range_attn_fwd_kernel[grid](
+    launch(_range_attn_fwd_kernel, (n_blocks * Hq,), (
         q, k, v, out, lse,
         plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
         Tq, Tk, Hq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        scale * LOG2E, cap_in, cap_out,
-        Hq // Hkv, D=D, DV=Dv, SPLIT=split,
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
-        BLOCK_D=pad_dim(D), BLOCK_DV=pad_dim(Dv),
-        HAS_SOFTCAP=softcap > 0, IS_SCALE_FOLDED=softcap <= 0 and scale > 0, IS_TMA=use_tma, IS_WARP_SPECIALIZED=config.warp_spec and use_tma,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        IS_BF16_EMULATED=is_interp and q.dtype == torch.bfloat16,
+        scale * LOG2E, cap_in, cap_out, Hq // Hkv,
+        D, Dv, split, config.BLOCK_M, config.BLOCK_N, pad_dim(D), pad_dim(Dv),
+        softcap > 0,  # HAS_SOFTCAP
+        softcap <= 0 and scale > 0,  # IS_SCALE_FOLDED
+        use_tma,  # IS_TMA
+        config.warp_spec and use_tma,  # IS_WARP_SPECIALIZED
+        "ieee" if q.dtype == torch.float32 else "tf32",  # DOT_PRECISION
+        is_interp and q.dtype == torch.bfloat16,  # IS_BF16_EMULATED
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
-        IS_INT64=needs_int64(q, k, v, out),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        needs_int64(q, k, v, out),  # IS_INT64
+    ), num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse

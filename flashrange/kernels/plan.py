@@ -1,24 +1,29 @@
-"""The plan (:mod:`flashrange.plan`) in Triton launches, and the choice of builder.
+"""The plan (:mod:`flashrange.plan`) in a few Triton launches, and the choice of builder.
 
 The plain-PyTorch plan takes about a hundred small kernels (sorts, cumsums,
 scatters); each costs a launch, which puts it far above the attention it feeds
-for short sequences. Here the same outputs come from three launches that
-trade sorting for counting:
+for short sequences. Here both halves of the plan (query-major and key-major:
+the second grid axis) come from three launches that trade sorting for
+counting:
 
 1. rank every slice by counting the slices whose canonical key is smaller
-   (S x S comparisons, tiled) and scatter it to its rank;
-2. per block of the major axis, count the slices that start before the block
-   ends (``block_hi``), find the first slice in canonical order that ends after
-   the block starts (``block_lo``), and sum the cells the slices cover in the
-   block's rows in closed form (the work estimate);
+   (S x S comparisons, tiled), scatter it to its rank, and record the running
+   maximum of the slice ends in canonical order (the same comparisons give it);
+2. per block of the major axis, binary-search the window: ``block_hi`` is the
+   number of slices that start before the block ends, ``block_lo`` the first
+   slice whose running maximum end passes the block's start; then sum, in
+   closed form, the cells the window's slices cover in the block (the work
+   estimate);
 3. rank the blocks by work, heaviest first.
 
-The outputs are identical to :func:`flashrange.plan.build_plan_torch`, which
-the tests check; the cost is O(S^2 + S * n_blocks) arithmetic, done in
-parallel, and O(S + n_blocks) memory.
+Past :data:`RANK_BY_COUNTING_MAX` slices, step 1 is two stable sorts and a
+running maximum in PyTorch instead (counting is quadratic). Steps 2 and 3
+cost O(n_blocks * (log S + window)), so slots that hold empty slices (sorted
+last) cost nothing but their share of step 1.
 
-:func:`build_plan` picks the builder: these launches for CUDA tensors, the
-plain-PyTorch one elsewhere.
+The outputs are identical to :func:`flashrange.plan.build_plan_torch`, which
+the tests check. :func:`build_plan` picks the builder: these launches for CUDA
+tensors, the plain-PyTorch one elsewhere.
 """
 
 import torch
@@ -27,8 +32,12 @@ import triton.language as tl
 
 from ..constants import PLAN_BLOCK
 from ..plan import BlockPlan, RangePlan, build_block_plan_torch, build_plan_torch, canonical_slices
+from .common import launch
 
 __all__ = ["build_plan", "build_block_plan", "build_plan_triton", "build_block_plan_triton", "RANK_BY_COUNTING_MAX"]
+
+# Above this many slices the ranking step sorts (O(S log S)) instead of counting (O(S^2)).
+RANK_BY_COUNTING_MAX = 8192
 
 
 @triton.jit
@@ -54,27 +63,25 @@ def _canonical_keys(qs, qe, ks, ke, mt, valid, IS_TRANSPOSED: tl.constexpr):
         ms, me, ns, ne = qs, qe, ks, ke
     k1 = tl.where(valid, (ms << 32) | ns, 1 << 62)
     k2 = (me << 32) | (ne << 2) | tl.minimum(tl.maximum(mt, 0), 3)
-    return k1, k2
+    return k1, k2, tl.where(valid, me, 0)
 
 
-# Slice counts and lengths change between calls; specializing on their values
-# (== 1, divisible by 16) would only multiply the kernels built.
-@triton.jit(do_not_specialize=["S", "Tq", "Tk"])
-def _rank_slices_kernel(
-    qr_ptr, kr_ptr, mt_ptr, out_ptr, S, Tq, Tk,
+@triton.jit
+def _rank_axis(
+    qr_ptr, kr_ptr, mt_ptr, out_ptr, run_end_ptr, pid, S, Tq, Tk,
     IS_TRANSPOSED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     offs_s = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     mask_s = offs_s < S
     qs, qe, ks, ke, mt, valid = _load_slice(qr_ptr, kr_ptr, mt_ptr, offs_s, mask_s, Tq, Tk)
-    k1, k2 = _canonical_keys(qs, qe, ks, ke, mt, valid, IS_TRANSPOSED)
+    k1, k2, end = _canonical_keys(qs, qe, ks, ke, mt, valid, IS_TRANSPOSED)
     rank = tl.zeros([BLOCK_S], dtype=tl.int32)
+    run_end = end
     for t0 in range(0, S, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < S
         tqs, tqe, tks, tke, tmt, tvalid = _load_slice(qr_ptr, kr_ptr, mt_ptr, offs_t, mask_t, Tq, Tk)
-        t1, t2 = _canonical_keys(tqs, tqe, tks, tke, tmt, tvalid, IS_TRANSPOSED)
+        t1, t2, tend = _canonical_keys(tqs, tqe, tks, tke, tmt, tvalid, IS_TRANSPOSED)
         # Lexicographic (k1, k2, index): the index makes ranks a permutation;
         # slices equal in (k1, k2) are identical, so their order changes no bit.
         before = (t1[None, :] < k1[:, None]) | (
@@ -83,12 +90,34 @@ def _rank_slices_kernel(
         )
         before = before & mask_t[None, :]
         rank += tl.sum(before.to(tl.int32), axis=1)
+        # The running maximum of the ends in canonical order, at this slice's rank.
+        run_end = tl.maximum(run_end, tl.max(tl.where(before, tend[None, :], 0), axis=1))
     mt_out = tl.where(valid, mt, -1)
+    if IS_TRANSPOSED:
+        ms, me = ks, ke
+    else:
+        ms, me = qs, qe
     tl.store(out_ptr + rank * 5 + 0, qs.to(tl.int32), mask=mask_s)
     tl.store(out_ptr + rank * 5 + 1, qe.to(tl.int32), mask=mask_s)
     tl.store(out_ptr + rank * 5 + 2, ks.to(tl.int32), mask=mask_s)
     tl.store(out_ptr + rank * 5 + 3, ke.to(tl.int32), mask=mask_s)
     tl.store(out_ptr + rank * 5 + 4, mt_out.to(tl.int32), mask=mask_s)
+    tl.store(run_end_ptr + rank, run_end.to(tl.int32), mask=mask_s)
+
+
+# Slice counts and lengths change between calls; specializing on their values
+# (== 1, divisible by 16) would only multiply the kernels built.
+@triton.jit(do_not_specialize=["S", "Tq", "Tk"])
+def _rank_slices_kernel(
+    qr_ptr, kr_ptr, mt_ptr, q_out_ptr, k_out_ptr, q_run_end_ptr, k_run_end_ptr, S, Tq, Tk,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(cdiv(S, BLOCK_S), 2)``: axis 1 picks the query-major (0) or key-major (1) half."""
+    pid = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _rank_axis(qr_ptr, kr_ptr, mt_ptr, q_out_ptr, q_run_end_ptr, pid, S, Tq, Tk, False, BLOCK_S, BLOCK_T)
+    else:
+        _rank_axis(qr_ptr, kr_ptr, mt_ptr, k_out_ptr, k_run_end_ptr, pid, S, Tq, Tk, True, BLOCK_S, BLOCK_T)
 
 
 @triton.jit
@@ -138,44 +167,60 @@ def _slice_cells_in(x0, x1, ms, lmaj, lmin, mt, IS_TRANSPOSED: tl.constexpr):
     return tl.where(mt == 0, full, tl.where(mt == 1, causal, tl.where(mt == 2, inv, bi)))
 
 
-@triton.jit(do_not_specialize=["S", "T", "n_blocks"])
-def _block_windows_kernel(
-    slices_ptr, lo_ptr, hi_ptr, work_ptr, S, T, n_blocks,
+@triton.jit
+def _search(arr_ptr, target, n, n_iter, RIGHT: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Per lane, the first index of sorted ``arr[:n]`` whose value is ``> target`` (``RIGHT``) or ``>= target``."""
+    left = tl.zeros([BLOCK_B], dtype=tl.int32)
+    right = tl.zeros([BLOCK_B], dtype=tl.int32) + n
+    for _ in range(0, n_iter):
+        open_ = left < right
+        mid = (left + right) // 2
+        val = tl.load(arr_ptr + mid, mask=open_, other=0)
+        if RIGHT:
+            go = val <= target
+        else:
+            go = val < target
+        left = tl.where(open_ & go, mid + 1, left)
+        right = tl.where(open_ & ~go, mid, right)
+    return left
+
+
+@triton.jit
+def _windows_axis(
+    slices_ptr, run_end_ptr, lo_ptr, hi_ptr, work_ptr, pid, S, T, n_blocks, n_iter,
     IS_TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_T2: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     offs_b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_b = offs_b < n_blocks
     b0 = offs_b * BLOCK
     b1 = tl.minimum(b0 + BLOCK, T)
-    hi = tl.zeros([BLOCK_B], dtype=tl.int32)
-    lo = tl.zeros([BLOCK_B], dtype=tl.int32) + S
-    # Windows first, in cheap int32 compares over every slice ...
-    for t0 in range(0, S, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < S
-        if IS_TRANSPOSED:
-            ms = tl.load(slices_ptr + offs_t * 5 + 2, mask=mask_t, other=0)
-            me = tl.load(slices_ptr + offs_t * 5 + 3, mask=mask_t, other=0)
-        else:
-            ms = tl.load(slices_ptr + offs_t * 5 + 0, mask=mask_t, other=0)
-            me = tl.load(slices_ptr + offs_t * 5 + 1, mask=mask_t, other=0)
-        mt = tl.load(slices_ptr + offs_t * 5 + 4, mask=mask_t, other=-1)
-        valid = mask_t & (mt >= 0)
-        starts_before = valid[None, :] & (ms[None, :] < b1[:, None])
-        hi += tl.sum(starts_before.to(tl.int32), axis=1)
-        ends_after = valid[None, :] & (me[None, :] > b0[:, None])
-        lo = tl.minimum(lo, tl.min(tl.where(ends_after, offs_t[None, :], S), axis=1))
-    # ... then the int64 cell counts only over the slices some block of this program
-    # may meet: the union of the windows (the others contribute nothing).
-    mask_b = offs_b < n_blocks
+    if IS_TRANSPOSED:
+        start_col = 2
+    else:
+        start_col = 0
+    # Valid slices come first, sorted by start; invalid ones (type -1) last: the
+    # window ends at the first slice that starts at or after b1, or is invalid.
+    left = tl.zeros([BLOCK_B], dtype=tl.int32)
+    right = tl.zeros([BLOCK_B], dtype=tl.int32) + S
+    for _ in range(0, n_iter):
+        open_ = left < right
+        mid = (left + right) // 2
+        st = tl.load(slices_ptr + mid * 5 + start_col, mask=open_, other=0)
+        ty = tl.load(slices_ptr + mid * 5 + 4, mask=open_, other=-1)
+        go = (ty >= 0) & (st < b1)
+        left = tl.where(open_ & go, mid + 1, left)
+        right = tl.where(open_ & ~go, mid, right)
+    hi = left
+    # Slices before the first whose running maximum end passes b0 end before the block.
+    lo = tl.minimum(_search(run_end_ptr, b0, S, n_iter, True, BLOCK_B), hi)
+    # The cell counts only over the union of this program's windows (the others add nothing).
     t_lo = tl.min(tl.where(mask_b, lo, S), axis=0)
     t_hi = tl.max(tl.where(mask_b, hi, 0), axis=0)
     b0w = b0.to(tl.int64)
     b1w = b1.to(tl.int64)
     work = tl.zeros([BLOCK_B], dtype=tl.int64)
-    for t0 in range(t_lo, t_hi, BLOCK_T2):
-        offs_t = t0 + tl.arange(0, BLOCK_T2)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_hi
         qs = tl.load(slices_ptr + offs_t * 5 + 0, mask=mask_t, other=0).to(tl.int64)
         qe = tl.load(slices_ptr + offs_t * 5 + 1, mask=mask_t, other=0).to(tl.int64)
@@ -190,14 +235,30 @@ def _block_windows_kernel(
         cells = _slice_cells_in(b0w[:, None], b1w[:, None], ms[None, :], (me - ms)[None, :], (ne - ns)[None, :],
                                 mt[None, :], IS_TRANSPOSED)
         work += tl.sum(tl.where(valid[None, :], cells, 0), axis=1)
-    tl.store(lo_ptr + offs_b, tl.minimum(lo, hi), mask=mask_b)
+    tl.store(lo_ptr + offs_b, lo, mask=mask_b)
     tl.store(hi_ptr + offs_b, hi, mask=mask_b)
     tl.store(work_ptr + offs_b, work, mask=mask_b)
 
 
-@triton.jit(do_not_specialize=["n_blocks"])
-def _order_blocks_kernel(work_ptr, order_ptr, n_blocks, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+@triton.jit(do_not_specialize=["S", "Tq", "Tk", "nq", "nk", "n_iter"])
+def _block_windows_kernel(
+    q_slices_ptr, k_slices_ptr, q_run_end_ptr, k_run_end_ptr,
+    q_lo_ptr, q_hi_ptr, q_work_ptr, k_lo_ptr, k_hi_ptr, k_work_ptr,
+    S, Tq, Tk, nq, nk, n_iter,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(cdiv(max(nq, nk), BLOCK_B), 2)``: axis 1 picks the half, as in :func:`_rank_slices_kernel`."""
     pid = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _windows_axis(q_slices_ptr, q_run_end_ptr, q_lo_ptr, q_hi_ptr, q_work_ptr, pid, S, Tq, nq, n_iter,
+                      False, BLOCK, BLOCK_B, BLOCK_T)
+    else:
+        _windows_axis(k_slices_ptr, k_run_end_ptr, k_lo_ptr, k_hi_ptr, k_work_ptr, pid, S, Tk, nk, n_iter,
+                      True, BLOCK, BLOCK_B, BLOCK_T)
+
+
+@triton.jit
+def _order_axis(work_ptr, order_ptr, pid, n_blocks, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     offs_b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < n_blocks
     w = tl.load(work_ptr + offs_b, mask=mask_b, other=0)
@@ -212,55 +273,68 @@ def _order_blocks_kernel(work_ptr, order_ptr, n_blocks, BLOCK_B: tl.constexpr, B
     tl.store(order_ptr + rank, offs_b.to(tl.int32), mask=mask_b)
 
 
-# Above this many slices the ranking step uses sorts (O(S log S)) instead of
-# counting (O(S^2), 29 µs at 4096 slices on an H200).
-RANK_BY_COUNTING_MAX = 8192
+@triton.jit(do_not_specialize=["nq", "nk"])
+def _order_blocks_kernel(q_work_ptr, k_work_ptr, q_order_ptr, k_order_ptr, nq, nk,
+                         BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _order_axis(q_work_ptr, q_order_ptr, pid, nq, BLOCK_B, BLOCK_T)
+    else:
+        _order_axis(k_work_ptr, k_order_ptr, pid, nk, BLOCK_B, BLOCK_T)
 
 
-def build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False):
-    """Same contract and outputs as :func:`flashrange.plan.build_block_plan_torch`."""
+def _sorted_halves(qr, kr, mt, Tq, Tk):
+    """Step 1 by sorting: both halves' slices and running maximum ends (many slices)."""
+    out = []
+    for transpose in (False, True):
+        sl = canonical_slices(qr, kr, mt, Tq, Tk, transpose=transpose)
+        end = torch.where(sl[:, 4] >= 0, sl[:, 3] if transpose else sl[:, 1], torch.zeros_like(sl[:, 1]))
+        run_end = torch.cummax(end, dim=0).values if end.numel() else end
+        out += [sl.to(torch.int32).contiguous(), run_end.to(torch.int32).contiguous()]
+    return out
+
+
+def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK):
+    """:class:`~flashrange.plan.RangePlan` from the Triton launches; equal to the plain-PyTorch plan."""
     dev = q_ranges.device
     qr = q_ranges.reshape(-1, 2).contiguous()
     kr = k_ranges.reshape(-1, 2).contiguous()
     mt = mask_types.reshape(-1).contiguous()
     S = mt.shape[0]
-    T = Tk if transpose else Tq
-    n_blocks = -(-T // block)
-    slices = torch.empty(S, 5, dtype=torch.int32, device=dev)
-    lo = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    hi = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    work = torch.empty(n_blocks, dtype=torch.int64, device=dev)
-    order = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    # Small program tiles and long inner tiles: each loop iteration waits on loads from
-    # L2, so many resident programs and few iterations keep these launches short
-    # (measured on an H200: 4096 slices over 128k tokens).
-    BLOCK_S, BLOCK_T, BLOCK_B = 8, 512, 16
+    nq, nk = -(-Tq // block), -(-Tk // block)
+    i32 = torch.int32
     if S > RANK_BY_COUNTING_MAX:
-        # Counting is quadratic in S; past a few thousand slices (e.g. one slot
-        # per token, mostly empty) two stable sorts are cheaper. Same order.
-        slices = canonical_slices(qr, kr, mt, Tq, Tk, transpose=transpose).to(torch.int32).contiguous()
-    elif S > 0:
-        _rank_slices_kernel[(triton.cdiv(S, BLOCK_S),)](
-            qr, kr, mt, slices, S, Tq, Tk, IS_TRANSPOSED=transpose, BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T
-        )
-    # Four blocks a program: enough programs to fill the GPU at long contexts; the int64
-    # cell counts take narrower tiles (registers).
-    if n_blocks == 0:
-        return BlockPlan(slices, lo, hi, order)
-    _block_windows_kernel[(triton.cdiv(n_blocks, 4),)](
-        slices, lo, hi, work, S, T, n_blocks, IS_TRANSPOSED=transpose, BLOCK=block, BLOCK_B=4, BLOCK_T=512,
-        BLOCK_T2=128,
-    )
-    _order_blocks_kernel[(triton.cdiv(n_blocks, BLOCK_B),)](work, order, n_blocks, BLOCK_B=BLOCK_B, BLOCK_T=128)
-    return BlockPlan(slices, lo, hi, order)
+        q_slices, q_run_end, k_slices, k_run_end = _sorted_halves(qr, kr, mt, Tq, Tk)
+    else:
+        q_slices = torch.empty(S, 5, dtype=i32, device=dev)
+        k_slices = torch.empty(S, 5, dtype=i32, device=dev)
+        q_run_end = torch.empty(S, dtype=i32, device=dev)
+        k_run_end = torch.empty(S, dtype=i32, device=dev)
+        if S > 0:
+            # Small program tiles and long inner tiles: each loop iteration waits on
+            # loads from L2, so many resident programs and few iterations keep it short.
+            BLOCK_S, BLOCK_T = 8, 512
+            launch(_rank_slices_kernel, (triton.cdiv(S, BLOCK_S), 2),
+                   (qr, kr, mt, q_slices, k_slices, q_run_end, k_run_end, S, Tq, Tk, BLOCK_S, BLOCK_T))
+    q_lo, q_hi, q_order = (torch.empty(nq, dtype=i32, device=dev) for _ in range(3))
+    k_lo, k_hi, k_order = (torch.empty(nk, dtype=i32, device=dev) for _ in range(3))
+    n_max = max(nq, nk)
+    if n_max > 0:
+        q_work = torch.empty(nq, dtype=torch.int64, device=dev)
+        k_work = torch.empty(nk, dtype=torch.int64, device=dev)
+        BLOCK_B = 4
+        launch(_block_windows_kernel, (triton.cdiv(n_max, BLOCK_B), 2),
+               (q_slices, k_slices, q_run_end, k_run_end, q_lo, q_hi, q_work, k_lo, k_hi, k_work,
+                S, Tq, Tk, nq, nk, max(1, S.bit_length()), block, BLOCK_B, 128))
+        launch(_order_blocks_kernel, (triton.cdiv(n_max, 16), 2),
+               (q_work, k_work, q_order, k_order, nq, nk, 16, 128))
+    return RangePlan(q_slices, q_lo, q_hi, q_order, k_slices, k_lo, k_hi, k_order)
 
 
-def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk):
-    """:class:`~flashrange.plan.RangePlan` from the Triton launches; equal to the plain-PyTorch plan."""
-    return RangePlan(
-        *build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk),
-        *build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, transpose=True),
-    )
+def build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False):
+    """One half of :func:`build_plan_triton` with blocks of ``block`` tokens (tests and studies)."""
+    plan = build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block)
+    return plan.keys if transpose else plan.queries
 
 
 def build_block_plan(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False, backend=None):
