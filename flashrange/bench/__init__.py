@@ -61,8 +61,8 @@ def _parser():
     p.add_argument("--contenders", default="", help="comma-separated contender names (default: all available)")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per measurement (default 3)")
-    p.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 15)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per measurement (default 3; CPU 1)")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 15; CPU 3)")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory for bench.json, bench.md, bench.png (default out/bench)")
@@ -162,9 +162,17 @@ def main(argv=None) -> int:
     if device.type != "cuda" and not args.tiny:
         raise SystemExit("flashrange bench: the full-size cases need a CUDA GPU; on the CPU add --tiny "
                          "(toy sizes: a check of the harness, not a benchmark)")
+    if args.sweep and device.type != "cuda":
+        from ..kernels.common import interpreting
+
+        if not interpreting():
+            raise SystemExit("flashrange bench --sweep times the Triton kernels: it needs a CUDA GPU "
+                             "(or TRITON_INTERPRET=1 with --tiny, a check of the harness)")
     dtype = _DTYPES[args.dtype]
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    args.reps = args.reps if args.reps is not None else (5 if args.quick else 15)
+    # On the CPU the times only show that the harness runs: few repetitions.
+    few = args.quick or device.type != "cuda"
+    args.warmup = args.warmup if args.warmup is not None else (1 if device.type != "cuda" else 2 if few else 3)
+    args.reps = args.reps if args.reps is not None else (3 if device.type != "cuda" else 5 if few else 15)
     if args.warmup < 0 or args.reps < 1:
         raise SystemExit("flashrange bench: --warmup must be >= 0 and --reps >= 1")
     try:

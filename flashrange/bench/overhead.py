@@ -56,7 +56,7 @@ def _time_variant(fn, device, warmup, reps):
     fn()
     synchronize(device)
     gpu = measure(fn, device=device, warmup=warmup, reps=reps).as_dict()
-    host = host_us_per_call(fn, device=device, n=max(20, 2 * reps))
+    host = host_us_per_call(fn, device=device, n=max(10, 2 * reps))
     return {"gpu": gpu, "host_us": host}
 
 

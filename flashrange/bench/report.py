@@ -33,8 +33,9 @@ _PEER_ORDER = ("flashrange+plan", "flashrange-op", "sdpa-cudnn", "sdpa-flash", "
                "fa4", "fa3", "fa2", "magi-ffa")
 
 CPU_BANNER = (
-    "No CUDA GPU: this run only checks the harness (flashrange's reference path on the CPU, toy sizes). "
-    "Its times are not benchmarks, and no TFLOP/s are reported."
+    "No CUDA GPU: this run only checks the harness, at toy sizes (flashrange runs its reference path on the "
+    "CPU; --sweep runs the Triton kernels under TRITON_INTERPRET=1). Its times are not benchmarks, and no "
+    "TFLOP/s are reported."
 )
 
 
@@ -135,7 +136,7 @@ def _case_section(c, gpu):
                   "|---|---:|---:|---:|---:|---:|---|"]
     for name, rec in c["results"].items():
         if rec.get("status") != "ok":
-            lines.append(f"| {name} | n/a |" + " |" * (11 if gpu else 5) + f" {_note(rec)} |")
+            lines.append(f"| {name} | n/a |" + " |" * (11 if gpu else 4) + f" {_note(rec)} |")
             continue
         if gpu:
             mem = rec.get("peak_mem_bytes")
@@ -253,7 +254,8 @@ def markdown_report(data) -> str:
     gpu = _on_gpu(data)
     lines = ["# flashrange bench", ""] + _header_lines(data)
     if data.get("cases"):
-        lines += ["", "ms: median of the timed repetitions (CUDA events, L2 flushed before each); spread: worst "
+        clock = "CUDA events, L2 flushed before each" if gpu else "perf_counter"
+        lines += ["", f"ms: median of the timed repetitions ({clock}); spread: worst "
                   "(p80 - p20) / median; " + ("TF/s on the mask's real area (fwd 2·area·Hq·(D+Dv), bwd 2.5x, "
                                                "f+b 3.5x); mem: peak extra GiB of one fwd+bwd; " if gpu else "")
                   + "err: relative L2 difference to the case's baseline (out / worst gradient); 1st call: wall time "
