@@ -84,6 +84,10 @@ def _fmt(x, nd=2):
     return f"{x:.{nd}f}"
 
 
+def _count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
 def _fmt_err(x):
     return "" if x is None else f"{x:.1e}"
 
@@ -197,7 +201,7 @@ def _e2e_section(e2e):
     m = e2e.get("model", {})
     lines += [
         f"Llama from config: {m.get('layers')} layers, hidden {m.get('hidden')}, {m.get('heads')} query / "
-        f"{m.get('kv_heads')} key-value heads, {m.get('params', 0) / 1e6:.0f}M parameters, eager, "
+        f"{m.get('kv_heads')} key-value heads, {_count(m.get('params', 0))} parameters, eager, "
         f"use_cache=False, transformers {e2e.get('transformers')}; one packed row, position_ids restarting per "
         "document. 'sees documents': the loss is closer to flashrange's on the packed row than to flashrange's "
         "on the same tokens read as one document.",
@@ -389,7 +393,7 @@ def write(data, out_dir, *, with_plot=True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(data, indent=1, default=str))
     (out_dir / "bench.md").write_text(markdown_report(data) + "\n")
-    if with_plot and data.get("cases"):
+    if with_plot and data.get("cases") and not data["header"].get("check_only"):
         try:
             plot(data, out_dir / "bench.png")
         except Exception as e:  # noqa: BLE001 (no matplotlib: the tables and JSON are still written)
