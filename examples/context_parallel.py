@@ -15,16 +15,22 @@ GPUs (NCCL, one process per GPU)::
 
     torchrun --nproc-per-node 8 examples/context_parallel.py --seqlen 131072 --dim 512 --heads 8 --kv-heads 2
 
+Data x context parallelism with FSDP2 (a 2-D mesh ``("dp", "cp")``;
+context parallelism on ``mesh["cp"]``, parameters sharded over ``cp`` and
+replicated over ``dp``)::
+
+    torchrun --nproc-per-node 4 examples/context_parallel.py --dp 2 --steps 3
+
 ``--check`` compares one attention call with :func:`flashrange.range_attention`
 on the global tensors; ``--compile`` compiles the model with
-``torch.compile(fullgraph=True)``; ``--no-overlap`` turns the
-communication/compute overlap off.
+``torch.compile(fullgraph=True)`` (without ``--dp``); ``--no-overlap`` turns
+the communication/compute overlap off.
 
-Every rank builds the same global batch from the step's seed, so no data
-moves before ``dispatch``. Gradients are summed over the group (the loss is
-each rank's share of the global token mean), so every rank applies the same
-update: data parallelism over the context-parallel group. With a second,
-data-parallel mesh dimension, see docs/context_parallel.md.
+Every rank of a context-parallel group builds the same global batch from
+the step's seed, so no data moves before ``dispatch``. Each rank's loss is
+its share of the batch's token mean, so the gradient is the sum over the
+context-parallel ranks (and the mean over data-parallel replicas): summed
+by hand without ``--dp``, by FSDP2 with ``--dp`` (divide factor ``dp``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ def parse_args():
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--check", action="store_true", help="check one attention call against a single device")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (FSDP2 over a dp x cp mesh)")
     return ap.parse_args()
 
 
@@ -71,9 +78,9 @@ def setup():
     return torch.device("cpu"), torch.float32
 
 
-def make_batch(step, T, max_docs, vocab):
-    """The step's global batch, identical on every rank: tokens, next-token labels, positions, documents."""
-    g = torch.Generator().manual_seed(1000 + step)
+def make_batch(step, T, max_docs, vocab, replica=0):
+    """The step's global batch, identical on every rank of a replica: tokens, next-token labels, positions, documents."""
+    g = torch.Generator().manual_seed(1000 + step + 100_000 * replica)
     docs = int(torch.randint(1, max_docs + 1, (1,), generator=g))
     cuts = torch.sort(torch.randperm(T - 1, generator=g)[: docs - 1] + 1).values
     cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])])
@@ -147,18 +154,33 @@ def main():
     T = a.seqlen or (65536 if device.type == "cuda" else 1024)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Model(a.vocab, a.dim, a.heads, a.kv_heads, a.layers, T).to(device, dtype)
+    if a.dp > 1:
+        if world % a.dp or a.compile:
+            raise SystemExit(f"--dp must divide the world size ({world}) and is not combined with --compile here")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (a.dp, world // a.dp), mesh_dim_names=("dp", "cp"))
+        cp_group, replica = mesh["cp"], mesh.get_local_rank("dp")
+        # A 2-D mesh gives HSDP: parameters replicated over dp, sharded over cp.
+        for block in list(model.attn) + list(model.mlp):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_gradient_divide_factor(float(a.dp))  # sum over cp, mean over dp
+    else:
+        cp_group, replica = None, 0
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     fwd = torch.compile(model, fullgraph=True) if a.compile else model
     if rank == 0:
-        print(f"world {world} on {device} ({dist.get_backend()}), {T} tokens per step, {dtype}, "
-              f"overlap={not a.no_overlap}, compile={a.compile}", flush=True)
+        print(f"world {world} (dp {a.dp} x cp {world // a.dp}) on {device} ({dist.get_backend()}), {T} tokens per "
+              f"step and replica, {dtype}, overlap={not a.no_overlap}, compile={a.compile}", flush=True)
     for step in range(a.steps):
         t0 = time.perf_counter()
-        tokens, labels, pos, cu = make_batch(step, T, a.max_docs, a.vocab)
+        tokens, labels, pos, cu = make_batch(step, T, a.max_docs, a.vocab, replica)
         mask = flashrange.RangeMask.varlen(cu, causal=True)
         # Planning runs on the host, once per mask, outside the compiled model.
-        cp = ContextParallel(*mask.tensors(), T, T, chunk_size=a.chunk_size, overlap=not a.no_overlap,
-                             bucket=a.compile)
+        cp = ContextParallel(*mask.tensors(), T, T, group=cp_group, chunk_size=a.chunk_size,
+                             overlap=not a.no_overlap, bucket=a.compile)
         cp.mask = mask.tensors()
         if a.check and step == 0:
             err, lse_err = check(cp, device, dtype, T, a.heads, a.kv_heads, a.dim // a.heads)
@@ -171,21 +193,23 @@ def main():
         loss = F.cross_entropy(logits.float()[valid], lab_l[valid], reduction="sum") / n_global
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        # Every rank saw different tokens of the same batch: sum the gradients (one collective).
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=cp.group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        if a.dp == 1:
+            # Every rank saw different tokens of the same batch: sum the gradients (one collective).
+            grads = [p.grad for p in model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=cp.group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
         opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=cp.group)
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        total /= a.dp
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if rank == 0:
             bal = cp.balance()
-            print(f"step {step:4d}  loss {total.item():.4f}  {T / dt:10.0f} tokens/s  docs {cu.numel() - 1:3d}  "
+            print(f"step {step:4d}  loss {total.item():.4f}  {a.dp * T / dt:10.0f} tokens/s  docs {cu.numel() - 1:3d}  "
                   f"area max/mean {bal['imbalance']:.3f}  recv {sum(cp.traffic()['recv_tokens'])} tokens",
                   flush=True)
     dist.destroy_process_group()
