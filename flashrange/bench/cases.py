@@ -185,7 +185,8 @@ class Case:
             part = torch.repeat_interleave(
                 torch.arange(len(answers) + 1, dtype=torch.int32), torch.tensor([Q] + answers)
             )
-            desc = f"causal question of {Q} + {len(answers)} answers of ~{answers[0]}, each seeing the question and itself"
+            desc = (f"causal question of {Q} + {len(answers)} answers of ~{answers[0]}, "
+                    "each seeing the question and itself")
             return CaseMask(m, m.area(), desc, mask_mod=_shared_question_mod(part.to(device)))
         if self.kind == "block_causal":
             B = self.block

@@ -45,7 +45,7 @@ def _say(msg):
 
 
 def llama_config(tiny: bool):
-    """The model: 12 layers, hidden 2048, 16 query and 8 key/value heads (toy sizes when ``tiny``)."""
+    """The benchmark's Llama shape, from a config (no download); toy sizes when ``tiny``."""
     from transformers import LlamaConfig
 
     if tiny:
@@ -76,7 +76,7 @@ def _model(cfg, impl, state, device, dtype):
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
-    model.to(dtype)
+    model.to(device=device, dtype=dtype)
     model.load_state_dict(state)
     model.train()
     return model
@@ -112,7 +112,7 @@ def run_e2e(device, dtype, *, tiny, warmup, reps, budget) -> dict:
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_config(cfg, attn_implementation="flashrange")
-    base.to(dtype)
+    base.to(device=device, dtype=dtype)
     state = {k: v.detach().clone() for k, v in base.state_dict().items()}
     del base
     result = {

@@ -102,7 +102,8 @@ def host_overhead(device, dtype, *, tiny, warmup, reps, budget) -> list[dict]:
             ("eager public call", lambda: (lambda: flashrange.range_attention(q, k, v, qr, kr, mt)), None),
             ("public call, plan=", lambda: (lambda: flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)), None),
             ("raw op", lambda: (lambda: torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, raw_plan, scale, 0.0)), None),
-            ("torch.compile(fullgraph=True)", compiled_call, None if cuda else "GPU only here (the CPU run checks the harness)"),
+            ("torch.compile(fullgraph=True)", compiled_call,
+             None if cuda else "GPU only here (the CPU run checks the harness)"),
             ("CUDA graph replay", graph_call, None if cuda else "needs CUDA"),
             ("sdpa (yardstick)", sdpa_call, None),
         ]

@@ -97,7 +97,7 @@ def rel_err(a, b) -> float:
 
 
 def _free(device, collect=False):
-    # gc.collect costs ~0.5 s once Dynamo has run: only between cases.
+    # gc.collect is slow once Dynamo has run: only between cases.
     if collect:
         gc.collect()
     if torch.device(device).type == "cuda":

@@ -2,7 +2,7 @@
 
 :func:`measure` is the only way the benchmark times GPU work: warm-up calls,
 then one CUDA-event pair per repetition around the call, with the L2 cache
-flushed (a 256 MiB buffer written) before each repetition, so that no
+flushed (a buffer of :data:`L2_FLUSH_BYTES` written) before each repetition, so that no
 contender profits from inputs left in cache by the previous repetition. It
 reports the median and the spread (20th and 80th percentiles, min, max).
 On the CPU the same function times with ``time.perf_counter``.
@@ -11,6 +11,9 @@ On the CPU the same function times with ``time.perf_counter``.
 calls with no synchronisation in between, the time the Python thread
 spends issuing them (launch overhead, argument checks, planning on the
 host). It does not wait for the GPU.
+
+:class:`Budget` is the wall-clock budget (``--time-budget``) every table
+checks before starting new work.
 """
 
 from __future__ import annotations
