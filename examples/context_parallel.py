@@ -79,7 +79,7 @@ def setup():
 
 
 def make_batch(step, T, max_docs, vocab, replica=0):
-    """The step's global batch, identical on every rank of a replica: tokens, next-token labels, positions, documents."""
+    """The step's global batch, the same on every rank of a replica: tokens, next-token labels, positions, documents."""
     g = torch.Generator().manual_seed(1000 + step + 100_000 * replica)
     docs = int(torch.randint(1, max_docs + 1, (1,), generator=g))
     cuts = torch.sort(torch.randperm(T - 1, generator=g)[: docs - 1] + 1).values

@@ -4,7 +4,8 @@
   every rank holds as many tokens, what is sent is what is received, the
   balance is at least as good as the contiguous split, and the keys a rank
   receives are exactly the keys its rows read that it does not own (checked
-  against a dense coverage built here from the per-type inequalities).
+  against the dense coverage of tests/golden.py, built from the per-type
+  inequalities).
 - The local ranges, simulated in one process: every rank's slices over its
   key buffers reproduce its rows of the single-device result, in one call
   and in two stages merged through lse.
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp
 import flashrange
 from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from flashrange.distributed import ContextParallel, default_chunk_size, merge_partials, plan_context_parallel
+from golden import dense_attention, dense_counts
 
 F64 = torch.float64
 RTOL, ATOL = 1e-10, 1e-12
@@ -92,22 +94,6 @@ def _masks():
     return cases
 
 
-def _dense_coverage(qr, kr, mt, T):
-    """Bool `(T, T)` from the per-type inequalities of the semantics (independent of the library)."""
-    cov = torch.zeros(T, T, dtype=torch.bool)
-    i = torch.arange(T)[:, None]
-    j = torch.arange(T)[None, :]
-    for (qs, qe), (ks, ke), t in zip(qr.tolist(), kr.tolist(), mt.tolist()):
-        if qe <= qs or ke <= ks:
-            continue
-        inside = (i >= qs) & (i < qe) & (j >= ks) & (j < ke)
-        below = (j - ks) <= (i - qs) + (ke - ks) - (qe - qs)
-        above = (j - ks) >= (i - qs)
-        cell = {FULL: inside, CAUSAL: inside & below, INV_CAUSAL: inside & above, BI_CAUSAL: inside & below & above}
-        cov |= cell[t]
-    return cov
-
-
 def _intervals_to_set(rows):
     out = set()
     for a, b in rows:
@@ -147,7 +133,7 @@ def test_planner_properties(world):
         assert int(p.rank_area().max()) <= int(p.rank_area(contiguous=True).max()), ctx
         assert int(p.rank_area().sum()) == flashrange.RangeMask(qr, kr, mt).area(), ctx
         # Keys: exactly what the local rows read, minus what the rank owns.
-        cov = _dense_coverage(qr, kr, mt, T)
+        cov = dense_counts(qr, kr, mt, T, T) > 0
         for r in range(world):
             rows = idx[r][idx[r] < T]
             need = set(cov[rows].any(0).nonzero().flatten().tolist())
@@ -250,15 +236,12 @@ def test_merge_partials():
     q, k, v = (torch.randn(T, 2, 8, generator=g, dtype=F64) for _ in range(3))
     out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
     assert bool(torch.isneginf(lse).any()), "the mask should leave rows uncovered"
-    # Split the keys into three random disjoint sets; each part sees only its keys.
+    # Split the keys into three random disjoint sets; each part attends only to its keys.
     part = torch.randint(0, 3, (T,), generator=g)
+    counts = dense_counts(qr, kr, mt, T, T)
     outs, lses = [], []
     for j in range(3):
-        keep = (part == j)[:, None, None]
-        ko, vo = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
-        # Cells on dropped keys must not count: restrict with a per-key FULL mask product.
-        cov = flashrange.RangeMask(qr, kr, mt).coverage(T, T) * (part == j)[None, :]
-        o, l = _dense_attention(q, ko, vo, cov)
+        o, l = dense_attention(q, k, v, counts * (part == j)[None, :])
         outs.append(o)
         lses.append(l)
     mo, ml = merge_partials(outs, lses)
@@ -279,15 +262,6 @@ def test_merge_partials():
         merge_partials([outs[0]], [])
     with pytest.raises(ValueError):
         merge_partials([outs[0], outs[1][:3]], [lses[0], lses[1][:3]])
-
-
-def _dense_attention(q, k, v, counts):
-    """Dense float64 attention with multiplicities ``counts`` `(T, Tk)` (a cell covered twice counts twice)."""
-    s = torch.einsum("ihd,jhd->hij", q, k) / q.shape[-1] ** 0.5
-    logits = torch.where(counts > 0, s + torch.log(counts.to(s.dtype)), float("-inf"))
-    lse = torch.logsumexp(logits, -1)
-    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None].clamp(min=-1e300)), 0.0)
-    return torch.einsum("hij,jhd->ihd", p, v), lse.transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -352,7 +326,7 @@ def _worker(rank, world, store_path, compile_step):
         with pytest.raises(ValueError, match="holds"):
             cp.attention(*(torch.zeros(T, 2, 4, dtype=F64),) * 3)
         if compile_step:
-            _compiled_step(cp, rank, world, compile_step)
+            _compiled_step(cp, rank, compile_step)
     finally:
         dist.destroy_process_group()
 
@@ -360,11 +334,11 @@ def _worker(rank, world, store_path, compile_step):
 class _Block(torch.nn.Module):
     """Projection -> context-parallel attention -> projection, on local tokens `(T_local, 16)`."""
 
-    def __init__(self):
+    def __init__(self, dtype=F64, device="cpu"):
         super().__init__()
         torch.manual_seed(0)
-        self.qkv = torch.nn.Linear(16, 4 * 8 + 2 * 2 * 8, dtype=F64)
-        self.proj = torch.nn.Linear(4 * 8, 16, dtype=F64)
+        self.qkv = torch.nn.Linear(16, 4 * 8 + 2 * 2 * 8, dtype=dtype, device=device)
+        self.proj = torch.nn.Linear(4 * 8, 16, dtype=dtype, device=device)
 
     def forward(self, x, cp):
         q, k, v = self.qkv(x).split([32, 16, 16], -1)
@@ -372,11 +346,12 @@ class _Block(torch.nn.Module):
         return self.proj(out.reshape(-1, 32))
 
 
-def _compiled_step(cp, rank, world, backend):
+def _compiled_step(cp, rank, backend, dtype=F64, tol=(RTOL, ATOL)):
+    """A training step through ``torch.compile(fullgraph=True)`` matches eager: loss and every gradient."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    x = torch.randn(cp.total_seqlen, 16, dtype=F64, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(cp.total_seqlen, 16, generator=torch.Generator().manual_seed(9)).to(cp.device, dtype)
     xl = cp.dispatch(x)
 
     def step(model, xl, cp):
@@ -384,13 +359,14 @@ def _compiled_step(cp, rank, world, backend):
         loss.backward()
         return loss.detach()
 
-    eager, compiled = _Block(), _Block()
+    eager, compiled = _Block(dtype, cp.device), _Block(dtype, cp.device)
     want = step(eager, xl, cp)
     # The forward graph and, through AOTAutograd, the backward graph: fullgraph fails on any break.
     got = step(torch.compile(compiled, fullgraph=True, backend=backend), xl, cp)
-    _close(got, want, f"compiled loss ({backend}, rank {rank})")
+    rtol, atol = tol
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"compiled loss ({backend}): {m}")
     for a, b in zip(eager.parameters(), compiled.parameters()):
-        _close(b.grad, a.grad, f"compiled grad ({backend}, rank {rank})")
+        torch.testing.assert_close(b.grad, a.grad, rtol=rtol, atol=atol, msg=lambda m: f"compiled grad: {m}")
 
 
 def _spawn(world, tmp_path, compile_step=None):
@@ -425,11 +401,80 @@ def _single_worker(rank, store_path):
         torch.library.opcheck(cp_ops.attn_fwd, args)
         xl = cp.dispatch(torch.randn(T, 3, dtype=F64)).requires_grad_()
         torch.library.opcheck(cp_ops.undispatch, (xl, cp._local_index, cp._inverse_index, cp._group_name))
-        _compiled_step(cp, 0, 1, "inductor")
+        _compiled_step(cp, 0, "inductor")
     finally:
         dist.destroy_process_group()
 
 
 def test_world_one_opcheck_and_inductor(tmp_path):
     mp.start_processes(_single_worker, args=(os.path.join(str(tmp_path), "store1"),), nprocs=1,
+                       start_method="spawn")
+
+
+# ----------------------------------------------------------------------------- GPU (NCCL)
+
+
+def _gpu_worker(rank, world, store_path):
+    """NCCL, bf16 and float32 Triton kernels: the three-way rule against one GPU and a float64 golden."""
+    import torch.distributed as dist
+
+    from golden import assert_three_way
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world, device_id=dev)
+    try:
+        M = flashrange.RangeMask
+        rng = random.Random(11)
+        cases = [
+            ("documents", 8229, 256, M.varlen([0, 1000, 1003, 5000, 8000, 8229], causal=True).tensors()),
+            ("causal_default_chunk", 6000, None, M.causal(6000).tensors()),
+            ("window", 5003, 128, M.sliding_window(5003, 700).tensors()),
+            ("random", 3001, 64, _random_mask(rng, 3001, 24)),
+        ]
+        for name, T, C, mask in cases:
+            qr, kr, mt = (t.to(dev) for t in mask)
+            g = torch.Generator().manual_seed(T)
+            base = [torch.randn(T, h, 64, generator=g) for h in (8, 2, 2, 8)]
+            for dtype in (torch.bfloat16, torch.float32):
+                q, k, v, dout = (x.to(dev, dtype) for x in base)
+
+                def single(dt):
+                    qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, k, v))
+                    o, l = flashrange.range_attention(qq, kk, vv, qr, kr, mt)
+                    (o * dout.to(dt)).sum().backward()
+                    return o.detach(), l.detach(), qq.grad, kk.grad, vv.grad
+
+                gold, one = single(torch.float64), single(dtype)
+                for overlap in (True, False):
+                    what = f"{name} {dtype} world {world} overlap={overlap}"
+                    cp = ContextParallel(qr, kr, mt, T, T, chunk_size=C, overlap=overlap)
+
+                    def run():
+                        ql, kl, vl = (cp.dispatch(x).requires_grad_() for x in (q, k, v))
+                        o, l = cp.attention(ql, kl, vl)
+                        (o * cp.dispatch(dout)).sum().backward()
+                        return [cp.undispatch(t) for t in (o.detach(), l.detach(), ql.grad, kl.grad, vl.grad)]
+
+                    got = run()
+                    assert all(torch.equal(a, b) for a, b in zip(got, run())), f"{what}: rerun not bitwise equal"
+                    for label, i in (("out", 0), ("dq", 2), ("dk", 3), ("dv", 4)):
+                        assert_three_way(f"{what} {label}", got[i].cpu(), one[i].cpu(), gold[i].cpu())
+                    lse, lse1, lse_gold = got[1].cpu(), one[1].cpu(), gold[1].cpu()
+                    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_gold)), f"{what}: lse -inf rows"
+                    fin = torch.isfinite(lse_gold)
+                    err = (lse[fin].double() - lse_gold[fin]).abs().max().item()
+                    err1 = (lse1[fin].double() - lse_gold[fin]).abs().max().item()
+                    floor = 8 * torch.finfo(torch.float32).eps * max(1.0, lse_gold[fin].abs().max().item())
+                    assert err <= 2 * err1 + floor, f"{what}: lse error {err:.3e} > 2 x {err1:.3e} + {floor:.1e}"
+        _compiled_step(cp, rank, "inductor", torch.float32, tol=(1e-4, 1e-4))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_matches_one_gpu(tmp_path):
+    """One rank per GPU (up to two): exact to the three-way rule, deterministic, compiled."""
+    world = min(2, torch.cuda.device_count())
+    mp.start_processes(_gpu_worker, args=(world, os.path.join(str(tmp_path), "nccl")), nprocs=world,
                        start_method="spawn")

@@ -304,7 +304,9 @@ attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
 @torch.library.custom_op("flashrange_cp::undispatch", mutates_args=())
-def undispatch(x_local: torch.Tensor, local_index: torch.Tensor, inverse_index: torch.Tensor, group: str) -> torch.Tensor:
+def undispatch(
+    x_local: torch.Tensor, local_index: torch.Tensor, inverse_index: torch.Tensor, group: str
+) -> torch.Tensor:
     pg = _group(group)
     W = dist.get_world_size(pg)
     x_local = x_local.contiguous()

@@ -37,7 +37,6 @@ Steps:
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
 import torch
