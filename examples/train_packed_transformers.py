@@ -4,7 +4,9 @@ Every step packs a fresh set of random-length documents into one row of
 exactly ``--tokens`` tokens with transformers' ``DataCollatorWithFlattening``
 (``position_ids`` restarting at 0 for each document, the first label of each
 document masked). The flashrange backend turns those positions into
-document-causal ranges on the device, so the compiled step sees the same
+document-causal ranges on the device and plans them once per step for all
+layers of a mask type (twice for Gemma-2: full and sliding layers), with a
+slot count fixed by the step's shape, so the compiled step sees the same
 shapes every time and compiles once, however many documents a step holds.
 
     python examples/train_packed_transformers.py                  # tiny Mistral (sliding window), CPU or GPU
