@@ -155,7 +155,8 @@ def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_sca
         l = p.sum(dim=-1, keepdim=True)
         o = torch.einsum("ngck,knd->cngd", p, vc)
         l_c = l.squeeze(-1).permute(2, 0, 1).unsqueeze(-1)  # (C, Hkv, G, 1)
-        o = torch.where(l_c > 0, o / l_c.clamp_min(1e-30), torch.zeros_like(o))
+        # l = 0 only on rows with no covered cell; a NaN l (NaN in a covered input) propagates.
+        o = torch.where(l_c != 0, o / l_c.clamp_min(1e-30), torch.zeros_like(o))
         out[r0:r1] = o.reshape(r1 - r0, Hq, Dv)
         lse[r0:r1] = (m + torch.log(l)).squeeze(-1).permute(2, 0, 1).reshape(r1 - r0, Hq)
     return out.to(q.dtype), lse
@@ -198,7 +199,8 @@ def range_attention_backward(
             qc = qc.view(C, Hkv, G, D)
             s = _scores(qc, kc, scale, softcap)
             lse_c = lse[r0:r1].to(acc).view(C, Hkv, G).permute(1, 2, 0).unsqueeze(-1)
-            lse_safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))
+            # lse = -inf (no covered cell) -> p = 0; a NaN lse (NaN in a covered input) propagates.
+            lse_safe = torch.where(lse_c == float("-inf"), torch.full_like(lse_c, float("inf")), lse_c)
             # Rows with lse = -inf get p = 0; where(): a NaN score on an uncovered cell stays out.
             p = torch.where(cnt > 0, cnt * torch.exp(s - lse_safe), 0.0)
             do_c = do_c.view(C, Hkv, G, Dv)

@@ -30,6 +30,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     range_attention_forward_triton,
 )
 from flashrange.reference import range_attention_forward  # noqa: E402
+from golden import dense_counts  # noqa: E402
 
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
 
@@ -274,3 +275,107 @@ def test_strided_views():
     want = run_kernel(q.contiguous(), k.contiguous(), v.contiguous(), qr, kr, mt, 0.25)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The unmasked fast path, zero-length inputs, the many-slice plan
+
+
+def longest_full_run(q_range, k_range, mtype, Tq, Tk, block, *, by_keys=False):
+    """Longest run of minor positions that one slice covers for *every* row (or key) of an aligned block.
+
+    Blocks of ``block`` rows (``by_keys``: keys) start at multiples of ``block``,
+    as the kernels lay them out; a run of at least ``2 * tile - 1`` positions
+    holds a whole tile of ``tile`` positions wherever the kernel starts its
+    tiles, i.e. a tile that takes the unmasked fast path. From the dense golden,
+    not from the kernels' own geometry.
+    """
+    cells = dense_counts([q_range], [k_range], [mtype], Tq, Tk) > 0
+    if by_keys:
+        cells = cells.t()
+    best = 0
+    for b0 in range(0, cells.shape[0] - block + 1, block):
+        full = cells[b0:b0 + block].all(dim=0).tolist()
+        run = 0
+        for c in full:
+            run = run + 1 if c else 0
+            best = max(best, run)
+    return best
+
+
+# One slice per type, large enough that whole 64 x 64 forward tiles (the interpreter's default,
+# cpu_m64_n64) and 32 x 32 backward tiles fall inside it: (q_range, k_range, type, Tq, Tk).
+FAST_PATH = [
+    pytest.param((3, 250), (5, 240), FULL, 253, 247, id="full"),
+    pytest.param((0, 259), (0, 259), CAUSAL, 259, 259, id="causal"),
+    pytest.param((0, 259), (0, 259), INV_CAUSAL, 259, 259, id="inv_causal"),
+    pytest.param((0, 128), (0, 320), BI_CAUSAL, 131, 321, id="bi_causal"),
+]
+
+
+@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk", FAST_PATH)
+def test_fast_path_every_type(q_range, k_range, mtype, Tq, Tk):
+    """Default interpreter tiles, one big slice per type (plus an overlapping small one): the unmasked
+    middle tiles and the masked edges together, Dv != D."""
+    from flashrange.kernels.forward import default_config
+
+    cfg = default_config(16, 32, torch.bfloat16, device_type="cpu")
+    assert longest_full_run(q_range, k_range, mtype, Tq, Tk, cfg.BLOCK_M) >= 2 * cfg.BLOCK_N - 1
+    q, k, v = make_qkv(Tq, Tk, 2, 1, 16, 32, torch.bfloat16, DEV, seed=mtype + 70)
+    qr = torch.tensor([q_range, (7, 30)], dtype=torch.int32)
+    kr = torch.tensor([k_range, (0, 9)], dtype=torch.int32)
+    mt = torch.tensor([mtype, FULL], dtype=torch.int32)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
+
+
+@pytest.mark.parametrize(
+    "Tq, Tk, S",
+    [pytest.param(0, 5, 2, id="Tq0"), pytest.param(5, 0, 2, id="Tk0"), pytest.param(0, 0, 2, id="Tq0-Tk0"),
+     pytest.param(5, 7, 0, id="S0"), pytest.param(0, 0, 0, id="all0")],
+)
+def test_zero_length_inputs(Tq, Tk, S):
+    """Empty token axes and empty slice lists: right shapes, out 0 and lse -inf, no launch on nothing."""
+    q, k, v = make_qkv(Tq, Tk, 2, 1, 16, 8, torch.bfloat16, DEV, seed=3)
+    qr = torch.tensor([[0, Tq], [0, 3]][:S], dtype=torch.int32).reshape(S, 2)
+    kr = torch.tensor([[0, Tk], [1, 2]][:S], dtype=torch.int32).reshape(S, 2)
+    mt = torch.tensor([CAUSAL, FULL][:S], dtype=torch.int32)
+    out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    assert out.shape == (Tq, 2, 8) and out.dtype == torch.bfloat16
+    assert lse.shape == (Tq, 2) and lse.dtype == torch.float32
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_many_slice_plan_path():
+    """More slices than RANK_BY_COUNTING_MAX (one slot per token, mostly empty, as the transformers backend
+    makes them): the Triton plan ranks by sorting, equals the torch plan, and the forward on it is right."""
+    from flashrange.kernels.plan import RANK_BY_COUNTING_MAX, build_plan
+
+    T, H, D = 97, 2, 16
+    S = RANK_BY_COUNTING_MAX + 101
+    rng = random.Random(5)
+    rows = [[0, 0, 0, 0, FULL]] * S
+    # A causal document [0, 64) as one slice, then one row-slice per token of a second document
+    # [64, T), scattered through the list; garbage (unknown types, reversed ranges) in between.
+    slots = rng.sample(range(S), T - 64 + 6)
+    rows[slots[0]] = [0, 64, 0, 64, CAUSAL]
+    for t, slot in zip(range(64, T), slots[1:]):
+        rows[slot] = [t, t + 1, 64, t + 1, CAUSAL if t % 2 else FULL]
+    for slot in slots[T - 64 + 1:]:
+        rows[slot] = [rng.randrange(-9, T), rng.randrange(-9, T + 9), rng.randrange(T), T + 40, rng.choice([5, -1])]
+    t = torch.tensor(rows, dtype=torch.int32)
+    qr, kr, mt = t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+    plan = build_plan(qr, kr, mt, T, T, backend="triton")
+    want = build_plan(qr, kr, mt, T, T, backend="torch")
+    for name, x, y in zip(plan._fields, plan, want):
+        assert torch.equal(x, y), name
+    assert int((plan.q_slices[:, 4] >= 0).sum()) == 1 + T - 64
+    q, k, v = make_qkv(T, T, H, H, D, D, torch.float16, DEV, seed=9)
+    out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 0.25, plan=plan)
+    check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
+    assert torch.isfinite(lse).all()
+    # The oracle itself: the slot list means two causal documents.
+    docs = torch.tensor([[0, 64], [64, T]], dtype=torch.int32)
+    two_docs = range_attention_forward(q, k, v, docs, docs.clone(), torch.full((2,), CAUSAL, dtype=torch.int32), 0.25)
+    ref = range_attention_forward(q, k, v, qr, kr, mt, 0.25)
+    assert torch.equal(ref[0], two_docs[0]) and torch.equal(ref[1], two_docs[1])
