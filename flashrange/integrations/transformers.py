@@ -393,10 +393,11 @@ def _check_supported(dropout, attention_mask, kwargs):
         )
 
 
-def _fits(planned, B, Sq, Sk, causal, sliding_window):
-    """Whether ``planned`` was built for a layer of this shape, causality and window."""
+def _fits(planned, device, B, Sq, Sk, causal, sliding_window):
+    """Whether ``planned`` was built for a layer on this device, of this shape, causality and window."""
     return (
-        planned.batch_size == B
+        planned.q_ranges.device == device
+        and planned.batch_size == B
         and planned.q_length == Sq
         and planned.kv_length == Sk
         and planned.causal == causal
@@ -439,7 +440,7 @@ def flashrange_attention_forward(
     softcap = 0.0 if softcap is None else softcap
     cu_q, cu_k = kwargs.get("cu_seq_lens_q", None), kwargs.get("cu_seq_lens_k", None)
     planned = attention_mask if isinstance(attention_mask, PlannedMask) else None
-    if planned is not None and cu_q is None and _fits(planned, B, Sq, Sk, causal, sliding_window):
+    if planned is not None and cu_q is None and _fits(planned, query.device, B, Sq, Sk, causal, sliding_window):
         # The common case: ranges and plan come from the mask function, built once for
         # every layer of this type. They are ours, so there is nothing to check strictly.
         out, _ = attention(
@@ -448,8 +449,11 @@ def flashrange_attention_forward(
         )
         return out.view(B, Sq, Hq, v.shape[-1]), None
     # This layer builds (and plans) its own ranges: no plan, one made for another
-    # layer, or documents given as cu_seq_lens, which only the attention call sees.
+    # layer (or device: a model split across devices), or documents given as
+    # cu_seq_lens, which only the attention call sees.
     padding = planned.padding if planned is not None else attention_mask
+    if padding is not None:
+        padding = padding.to(query.device)
     q_ranges, k_ranges, mask_types = build_ranges(
         B,
         Sq,
