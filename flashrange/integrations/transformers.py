@@ -503,6 +503,8 @@ def _plainly_unpacked(fn, depth=0):
         return True
     if getattr(fn, "__qualname__", "").startswith("sliding_window_overlay."):
         return True
+    # transformers nests and_masks a level or two deep; the bound only stops a closure
+    # that reaches itself from recursing forever.
     if getattr(fn, "__name__", "") == "and_mask" and depth < 8:
         parts = _closure_value(fn, "mask_functions")
         return isinstance(parts, tuple) and all(_plainly_unpacked(g, depth + 1) for g in parts)
