@@ -180,7 +180,7 @@ def main():
         mask = flashrange.RangeMask.varlen(cu, causal=True)
         # Planning runs on the host, once per mask, outside the compiled model.
         cp = ContextParallel(*mask.tensors(), T, T, group=cp_group, chunk_size=a.chunk_size,
-                             overlap=not a.no_overlap, bucket=a.compile)
+                             overlap=not a.no_overlap)
         cp.mask = mask.tensors()
         if a.check and step == 0:
             err, lse_err = check(cp, device, dtype, T, a.heads, a.kv_heads, a.dim // a.heads)

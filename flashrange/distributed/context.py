@@ -84,9 +84,9 @@ class ContextParallel:
             keys and makes one call over all of them (debugging, fewer
             kernels).
         bucket: pad the local slice lists, the receive buffer and the send
-            list to powers of two so that ``torch.compile`` sees few shapes
-            when the mask changes every step (at most ``log2`` recompiles per
-            size instead of one per mask).
+            list to powers of two, so that ``torch.compile(dynamic=False)``
+            sees few shapes when the mask changes every step (by default,
+            automatic dynamic shapes handle the changing sizes).
         device: where the local ranges, plans and indices live; defaults to
             the current CUDA device for NCCL groups, to the mesh's device
             type for a DeviceMesh, and to the CPU otherwise.
@@ -134,7 +134,10 @@ class ContextParallel:
         R = sum(recv_splits)
 
         def cap(n):
-            return flashrange.bucket_capacity(n) if bucket else max(1, n)
+            # At least two: torch.compile specialises sizes 0 and 1, so a list
+            # that shrinks to one slice would recompile even with dynamic shapes.
+            n = max(2, n)
+            return flashrange.bucket_capacity(n) if bucket else n
 
         self.recv_capacity = cap(R)
         send_index = p.send_index(r)
