@@ -22,6 +22,8 @@ from flashrange import (
     range_attention,
 )
 
+from golden import dense_attention, dense_counts, max_err
+
 I32 = torch.int32
 
 
@@ -55,33 +57,37 @@ def test_validate_rechecks_static_properties_after_reassignment():
         m.validate(5, 5)
 
 
+# ``{types}``: the caller's name of the types tensor (mask_types, or attn_type_map for flex_flash_attn_func).
 VALUE_ERRORS = [
     pytest.param([[0, 5], [2, 9]], [[0, 5], [0, 5]], [FULL, FULL], r"slice 1: q_ranges\[1\] = \[2, 9\) lies outside \[0, Tq=8\]", id="q-past-end"),
     pytest.param([[0, 5]], [[-1, 5]], [FULL], r"slice 0: k_ranges\[0\] = \[-1, 5\) lies outside \[0, Tk=6\]", id="k-negative"),
     pytest.param([[0, 5]], [[0, 7]], [CAUSAL], r"slice 0: k_ranges\[0\] = \[0, 7\) lies outside \[0, Tk=6\]", id="k-past-end"),
     pytest.param([[0, 0], [4, 2]], [[0, 0], [0, 3]], [FULL, FULL], r"slice 1: start after end.*use \[0, 0\) for a padding slice", id="q-reversed"),
     pytest.param([[0, 2]], [[5, 3]], [FULL], r"slice 0: start after end", id="k-reversed"),
-    pytest.param([[0, 2], [0, 2]], [[0, 2], [0, 2]], [FULL, 4], r"slice 1: unknown mask type (mask_types|attn_type_map)\[1\] = 4; valid types are 0 \(FULL\)", id="type-4"),
-    pytest.param([[0, 2]], [[0, 2]], [-1], r"slice 0: unknown mask type (mask_types|attn_type_map)\[0\] = -1", id="type-negative"),
+    pytest.param([[0, 2], [0, 2]], [[0, 2], [0, 2]], [FULL, 4], r"slice 1: unknown mask type {types}\[1\] = 4; valid types are 0 \(FULL\)", id="type-4"),
+    pytest.param([[0, 2]], [[0, 2]], [-1], r"slice 0: unknown mask type {types}\[0\] = -1", id="type-negative"),
 ]
 
 
 @pytest.mark.parametrize("q_ranges, k_ranges, types, message", VALUE_ERRORS)
 def test_validate_value_errors(q_ranges, k_ranges, types, message):
     m = RangeMask(q_ranges, k_ranges, types)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message.format(types="mask_types")):
         m.validate(8, 6)
 
 
 @pytest.mark.parametrize("q_ranges, k_ranges, types, message", VALUE_ERRORS)
 def test_range_attention_and_ffa_raise_the_same(q_ranges, k_ranges, types, message):
+    """Same slice and problem named by both; each names its own parameter (mask_types / attn_type_map)."""
     q = torch.randn(8, 2, 8)
     k = torch.randn(6, 1, 8)
     m = RangeMask(q_ranges, k_ranges, types)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message.format(types="mask_types")):
         range_attention(q, k, k, *m.tensors(), strict=True)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message.format(types="attn_type_map")):
         flex_flash_attn_func(q, k, k, m.q_ranges, m.k_ranges, m.mask_types, strict=True)
+    with pytest.raises(ValueError, match=message.format(types="attn_type_map")):
+        flex_flash_attn_func(q, k, k, m.q_ranges, m.k_ranges, m.mask_types.tolist(), strict=True)
 
 
 @pytest.mark.parametrize("q_ranges, k_ranges, types, message", VALUE_ERRORS)
@@ -89,22 +95,26 @@ def test_strict_mode_from_the_environment(q_ranges, k_ranges, types, message, mo
     q = torch.randn(8, 2, 8)
     k = torch.randn(6, 1, 8)
     m = RangeMask(q_ranges, k_ranges, types)
+    default = range_attention(q, k, k, *m.tensors())
     monkeypatch.setenv("FLASHRANGE_STRICT", "1")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message.format(types="mask_types")):
         range_attention(q, k, k, *m.tensors())
-    # An explicit argument wins over the environment.
+    # An explicit argument wins over the environment: the default call's result.
     out, lse = range_attention(q, k, k, *m.tensors(), strict=False)
-    assert torch.isfinite(out).all()
+    assert torch.equal(out, default[0]) and torch.equal(lse, default[1])
 
 
 @pytest.mark.parametrize("q_ranges, k_ranges, types, message", VALUE_ERRORS)
 def test_default_calls_clamp_instead_of_reading_values(q_ranges, k_ranges, types, message):
-    """Without strict mode no value is read on the host: bad slices are clamped or dropped, never a fault."""
-    q = torch.randn(8, 2, 8)
-    k = torch.randn(6, 1, 8)
+    """Without strict mode no value is read on the host: bad slices are clamped or dropped (as the golden
+    mask does), never a fault."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 2, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(6, 1, 8, generator=g, dtype=torch.float64)
     m = RangeMask(q_ranges, k_ranges, types)
     out, lse = range_attention(q, k, k, *m.tensors())
-    assert out.shape == (8, 2, 8) and torch.isfinite(out).all()
+    gold_out, gold_lse = dense_attention(q, k, k, dense_counts(*m.tensors(), 8, 6))
+    assert max_err(out, gold_out) < 1e-10 and max_err(lse, gold_lse) < 1e-10
 
 
 def test_validate_strict_reports_overlap_with_a_cell():
@@ -248,3 +258,205 @@ def test_flex_flash_attn_func_errors():
         flex_flash_attn_func(q, q, q, [[0, 6]], qr)
     with pytest.raises(ValueError, match=r"attn_type_map must be int32, got torch\.int64"):
         flex_flash_attn_func(q, q, q, qr, qr, torch.tensor([1]))
+
+
+# ----------------------------------------------------------------------------- non-finite scalars
+
+
+def _front_end_calls(**kw):
+    """The same small problem through each front-end, with extra keyword arguments."""
+    q4 = torch.randn(2, 5, 2, 8)
+    q3 = q4.reshape(10, 2, 8)
+    qr = _t([[0, 10]])
+    return {
+        "range_attention": lambda: range_attention(q3, q3, q3, qr, qr, _t([CAUSAL]), **kw),
+        "flex_flash_attn_func": lambda: flex_flash_attn_func(q3, q3, q3, qr, qr, _t([CAUSAL]), **kw),
+        "flash_attn_func": lambda: flash_attn_func(q4, q4, q4, causal=True, **kw),
+        "flash_attn_varlen_func": lambda: flash_attn_varlen_func(q3, q3, q3, _t([0, 4, 10]), _t([0, 4, 10]), 6, 6,
+                                                                 **kw),
+    }
+
+
+FRONT_ENDS = ["range_attention", "flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func"]
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        pytest.param({"softmax_scale": float("nan")}, r"softmax_scale must be finite, got nan", id="scale-nan"),
+        pytest.param({"softmax_scale": float("inf")}, r"softmax_scale must be finite, got inf", id="scale-inf"),
+        pytest.param({"softmax_scale": float("-inf")}, r"softmax_scale must be finite, got -inf", id="scale-neginf"),
+        pytest.param({"softmax_scale": torch.tensor(float("nan"))}, r"softmax_scale must be finite", id="scale-0d-nan"),
+        pytest.param({"softcap": float("nan")}, r"softcap must be a finite number >= 0.*got nan", id="softcap-nan"),
+        pytest.param({"softcap": float("inf")}, r"softcap must be a finite number >= 0.*got inf", id="softcap-inf"),
+    ],
+)
+def test_non_finite_scalars_raise(front_end, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _front_end_calls(**kw)[front_end]()
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_finite_scalars_are_accepted(front_end):
+    out = _front_end_calls(softmax_scale=0.3, softcap=2.0)[front_end]()
+    out = out[0] if isinstance(out, tuple) else out
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- flex_flash_attn_func arguments
+
+
+def _ffa_problem():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(11, 4, 8, generator=g)
+    k = torch.randn(9, 2, 8, generator=g)
+    qr = _t([[0, 6], [6, 11], [0, 0], [3, 9]])
+    kr = _t([[0, 6], [2, 9], [0, 0], [0, 4]])
+    return q, k, qr, kr, [CAUSAL, 3, FULL, 2]
+
+
+@pytest.mark.parametrize("as_", [pytest.param(list, id="list"), pytest.param(tuple, id="tuple")])
+def test_ffa_attn_type_map_as_a_python_sequence(as_):
+    q, k, qr, kr, types = _ffa_problem()
+    want = flex_flash_attn_func(q, k, k, qr, kr, _t(types))
+    for got in (flex_flash_attn_func(q, k, k, qr, kr, as_(types)),
+                flex_flash_attn_func(q, k, k, qr, kr, attn_type_map=as_(types), strict=True)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # ... and it is not all FULL (the default): the types were read.
+    full = flex_flash_attn_func(q, k, k, qr, kr)
+    assert not torch.equal(full[0], want[0])
+
+
+def test_ffa_unknown_keyword_raises_naming_it():
+    q, k, qr, kr, types = _ffa_problem()
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['attn_typemap', 'causal'\]"):
+        flex_flash_attn_func(q, k, k, qr, kr, attn_typemap=types, causal=True)
+
+
+def test_ffa_tuning_flags_are_accepted_and_ignored():
+    from flashrange.compat import FFA_IGNORED_FLAGS
+
+    q, k, qr, kr, types = _ffa_problem()
+    want = flex_flash_attn_func(q, k, k, qr, kr, types)
+    values = {"sm_margin": 4, "swap_ab": True, "ref_block_size": (64, 64), "profile_mode": True,
+              "disable_fwd_atomic_reduction": True, "auto_range_merge": True}
+    assert set(values) <= set(FFA_IGNORED_FLAGS)
+    got = flex_flash_attn_func(q, k, k, qr, kr, types, deterministic=True, **values)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for flag in FFA_IGNORED_FLAGS:
+        flex_flash_attn_func(q, k, k, qr, kr, types, **{flag: None})
+
+
+@pytest.mark.parametrize(
+    "types, exc, message",
+    [
+        pytest.param(lambda t: t.long(), ValueError, r"attn_type_map must be int32, got torch\.int64", id="int64"),
+        pytest.param(lambda t: t[:3], ValueError,
+                     r"q_ranges, k_ranges and attn_type_map must describe the same number of slices, got 4, 4, 3",
+                     id="length"),
+        pytest.param(lambda t: t.to("meta"), ValueError, r"attn_type_map is on meta but q is on cpu", id="device"),
+        pytest.param(lambda t: t.view(2, 2), ValueError, r"attn_type_map must have shape \(S,\)", id="2d"),
+        pytest.param(lambda t: [0, "causal", 1, 2], ValueError, r"attn_type_map must be a list of ints", id="list-str"),
+        pytest.param(lambda t: {0: 1}, TypeError, r"attn_type_map must be an int32 tensor of shape \(S,\), a list",
+                     id="dict"),
+        pytest.param(lambda t: [0, 7, 1, 2], ValueError, r"slice 1: unknown mask type attn_type_map\[1\] = 7",
+                     id="strict-value"),
+    ],
+)
+def test_ffa_errors_name_attn_type_map(types, exc, message):
+    q, k, qr, kr, good = _ffa_problem()
+    with pytest.raises(exc, match=message):
+        flex_flash_attn_func(q, k, k, qr, kr, types(_t(good)), strict=True)
+
+
+# ----------------------------------------------------------------------------- cu_seqlens in strict mode
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, message",
+    [
+        pytest.param([1, 4, 10], [0, 4, 10], r"cu_seqlens_q must start at 0, got \[1, 4, 10\]", id="q-start"),
+        pytest.param([0, 4, 10], [0, 6, 3], r"cu_seqlens_k must be non-decreasing.*cu_seqlens_k\[2\] = 3 < "
+                     r"cu_seqlens_k\[1\] = 6", id="k-decreasing"),
+        pytest.param([0, 4, 12], [0, 4, 10], r"cu_seqlens_q\[-1\] = 12 is more than the 10 tokens", id="q-past-end"),
+        pytest.param([0, 4, 10], [0, 4, 11], r"cu_seqlens_k\[-1\] = 11 is more than the 10 tokens", id="k-past-end"),
+        pytest.param([0, -2, 10], [0, 4, 10], r"cu_seqlens_q must be non-decreasing", id="q-negative"),
+    ],
+)
+def test_varlen_cu_seqlens_checked_in_strict_mode(cu_q, cu_k, message, monkeypatch):
+    q = _packed()
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_func(q, q, q, _t(cu_q), _t(cu_k), 6, 6, strict=True)
+    monkeypatch.setenv("FLASHRANGE_STRICT", "1")
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_func(q, q, q, _t(cu_q), _t(cu_k), 6, 6)
+    monkeypatch.delenv("FLASHRANGE_STRICT")
+    # By default nothing is read on the host: the ranges built from them are clamped, never a fault.
+    out = flash_attn_varlen_func(q, q, q, _t(cu_q), _t(cu_k), 6, 6)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_varlen_seqused_checked_in_strict_mode():
+    q = _packed()
+    with pytest.raises(ValueError, match=r"seqused_k must be >= 0, got a minimum of -1"):
+        flash_attn_varlen_func(q, q, q, CU, CU, 6, 6, seqused_k=_t([3, -1]), strict=True)
+
+
+# ----------------------------------------------------------------------------- head-dim limits on the GPU
+
+
+def _fake_cuda(*shape, dtype=torch.bfloat16):
+    """A CUDA tensor without a GPU: fake tensors carry a device and a shape, no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "D, Dv, message",
+    [
+        pytest.param(320, 320, r"got D=320, Dv=320", id="D320"),
+        pytest.param(64, 384, r"got D=64, Dv=384", id="Dv384"),
+        pytest.param(512, 64, r"got D=512, Dv=64", id="D512"),
+    ],
+)
+def test_head_dim_limit_on_cuda_is_checked_up_front(D, Dv, message):
+    """Before any kernel is built: a clear ValueError naming both head dims and the limit."""
+    from flashrange.constants import MAX_HEAD_DIM
+    from flashrange.validation import check_qkv
+
+    q, k, v = _fake_cuda(7, 2, D), _fake_cuda(7, 1, D), _fake_cuda(7, 1, Dv)
+    assert q.device.type == "cuda"
+    full = rf"head dims from 1 to {MAX_HEAD_DIM} are supported on the GPU \(q/k: D, v: Dv\), {message}; " \
+           r"larger head dims run only on the CPU reference"
+    with pytest.raises(ValueError, match=full):
+        check_qkv(q, k, v)
+    qr = _fake_cuda(1, 2, dtype=I32)
+    with pytest.raises(ValueError, match=full):
+        range_attention(q, k, v, qr, qr, _fake_cuda(1, dtype=I32))
+
+
+def test_head_dim_limit_boundaries():
+    from flashrange.constants import MAX_HEAD_DIM
+    from flashrange.validation import check_qkv
+
+    check_qkv(_fake_cuda(3, 2, MAX_HEAD_DIM), _fake_cuda(3, 2, MAX_HEAD_DIM), _fake_cuda(3, 2, MAX_HEAD_DIM))
+    # float64 runs the reference on any device, any head dim; so does the CPU.
+    big = [_fake_cuda(3, 2, 320, dtype=torch.float64) for _ in range(3)]
+    check_qkv(*big)
+    check_qkv(torch.empty(3, 2, 320), torch.empty(3, 2, 320), torch.empty(3, 2, 320))
+
+
+@pytest.mark.gpu
+def test_head_dim_limit_on_a_real_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    q = torch.randn(9, 2, 320, device="cuda", dtype=torch.bfloat16)
+    qr = torch.tensor([[0, 9]], dtype=I32, device="cuda")
+    mt = torch.tensor([CAUSAL], dtype=I32, device="cuda")
+    with pytest.raises(ValueError, match=r"head dims from 1 to 256 are supported on the GPU.*got D=320, Dv=320"):
+        range_attention(q, q, q, qr, qr, mt)
+    with pytest.raises(ValueError, match=r"head dims from 1 to 256 .*got D=320"):
+        flash_attn_func(q.view(1, 9, 2, 320), q.view(1, 9, 2, 320), q.view(1, 9, 2, 320), causal=True)
