@@ -6,6 +6,9 @@ Three ops carry everything (docs/design.md, "Layers" and "Compile contract"):
 - ``flashrange::fwd(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap) -> (out, lse)``
 - ``flashrange::bwd(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
   -> (dq, dk, dv)``
+- ``flashrange::fwd_max_logits``: ``fwd``'s arguments ``-> (out, lse, max_logits)``, the same
+  attention plus each head's largest score (not differentiable; same backward).
+  A separate op keeps ``fwd``'s schema and its kernel untouched when max logits are not asked for.
 
 CPU tensors (and any device without a dedicated kernel) run the reference in
 :mod:`flashrange.reference`, which reads the ranges and ignores the plan.
@@ -26,7 +29,7 @@ from . import reference
 from .constants import KERNEL_DTYPES
 from .plan import RangePlan, build_plan_torch, plan_blocks
 
-__all__ = ["plan", "fwd", "bwd", "eager_cuda", "plan_eager", "fwd_eager"]
+__all__ = ["plan", "fwd", "fwd_max_logits", "bwd", "eager_cuda", "plan_eager", "fwd_eager"]
 
 
 def _triton_serves(dtype: torch.dtype) -> bool:
@@ -54,6 +57,8 @@ def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
         from .kernels.plan import build_plan_triton
     except ImportError:
         return tuple(build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk))
+    if q_ranges.device.index == torch.cuda.current_device():
+        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
     with torch.cuda.device(q_ranges.device):
         return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
 
@@ -150,15 +155,55 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, pla
     )
 
 
+@torch.library.custom_op("flashrange::fwd_max_logits", mutates_args=())
+def fwd_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    mask_types: torch.Tensor,
+    plan: list[torch.Tensor],
+    softmax_scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse = reference.range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
+    max_logits = reference.range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
+    return out, lse, max_logits
+
+
+@fwd_max_logits.register_kernel("cuda")
+def _fwd_max_logits_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
+    if _triton_serves(q.dtype):
+        from .kernels.forward import range_attention_forward_triton
+
+        return range_attention_forward_triton(
+            q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, plan=RangePlan(*plan),
+            return_max_logits=True,
+        )
+    out, lse = reference.range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
+    max_logits = reference.range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
+    return out, lse, max_logits
+
+
+@fwd_max_logits.register_fake
+def _fwd_max_logits_fake(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
+    out, lse = _fwd_fake(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
+    return out, lse, lse.new_empty(q.shape[1])
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, q_ranges, k_ranges, mask_types, plan_tensors, softmax_scale, softcap = inputs
-    out, lse = output
+    out, lse = output[:2]
+    if len(output) > 2:
+        # max_logits: a statistic of the scores, not differentiable (as in MagiAttention).
+        ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors)
     ctx.softmax_scale = softmax_scale
     ctx.softcap = softcap
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, *unused):
     q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -172,6 +217,7 @@ def _backward(ctx, dout, dlse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd_max_logits.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +256,7 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, *unused):
         q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
@@ -223,8 +269,26 @@ class _EagerAttention(torch.autograd.Function):
         return (dq, dk, dv, None, None, None, None, None) + (None,) * len(plan_tensors)
 
 
-def fwd_eager(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
-    """``flashrange::fwd`` with its autograd, called directly (see :func:`eager_cuda`)."""
+class _EagerAttentionMaxLogits(_EagerAttention):
+    """:class:`_EagerAttention` that also returns max logits (``flashrange::fwd_max_logits``); same backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, *plan_tensors):
+        out, lse, max_logits = _fwd_max_logits_cuda(
+            q, k, v, q_ranges, k_ranges, mask_types, plan_tensors, softmax_scale, softcap
+        )
+        ctx.save_for_backward(q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors)
+        ctx.softmax_scale = softmax_scale
+        ctx.softcap = softcap
+        ctx.mark_non_differentiable(max_logits)
+        return out, lse, max_logits
+
+
+def fwd_eager(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap, return_max_logits=False):
+    """``flashrange::fwd`` (``fwd_max_logits`` when asked) with its autograd, called directly (see :func:`eager_cuda`)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, *plan)
+        fn = _EagerAttentionMaxLogits if return_max_logits else _EagerAttention
+        return fn.apply(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, *plan)
+    if return_max_logits:
+        return _fwd_max_logits_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
     return _fwd_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)

@@ -103,19 +103,17 @@ def check_plan(plan, S, Tq, Tk):
             f"plan must be a flashrange.RangePlan (from flashrange.plan_mask), got {type(plan).__name__}"
         )
     plan = RangePlan(*plan)
-    want = {
-        "q_slices": (S, 5), "k_slices": (S, 5),
-        "q_block_lo": (plan_blocks(Tq),), "q_block_hi": (plan_blocks(Tq),), "q_block_order": (plan_blocks(Tq),),
-        "k_block_lo": (plan_blocks(Tk),), "k_block_hi": (plan_blocks(Tk),), "k_block_order": (plan_blocks(Tk),),
-    }
-    for name, shape in want.items():
-        t = getattr(plan, name)
-        if tuple(t.shape) != shape or t.dtype != torch.int32:
-            raise ValueError(
-                f"this plan does not fit the call: plan.{name} is {tuple(t.shape)} {t.dtype}, expected {shape} "
-                f"int32 for {S} slices over Tq={Tq}, Tk={Tk}; build it with "
-                "flashrange.plan_mask(q_ranges, k_ranges, mask_types, Tq, Tk) for these tensors"
-            )
+    nq, nk = plan_blocks(Tq), plan_blocks(Tk)
+    want = ((S, 5), (nq,), (nq,), (nq,), (S, 5), (nk,), (nk,), (nk,))
+    got = tuple(tuple(t.shape) for t in plan)
+    if got != want or any(t.dtype != torch.int32 for t in plan):
+        for name, t, shape in zip(plan._fields, plan, want):
+            if tuple(t.shape) != shape or t.dtype != torch.int32:
+                raise ValueError(
+                    f"this plan does not fit the call: plan.{name} is {tuple(t.shape)} {t.dtype}, expected "
+                    f"{shape} int32 for {S} slices over Tq={Tq}, Tk={Tk}; build it with "
+                    "flashrange.plan_mask(q_ranges, k_ranges, mask_types, Tq, Tk) for these tensors"
+                )
     return plan
 
 

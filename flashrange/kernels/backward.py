@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..constants import MAX_HEAD_DIM, MAX_HEAD_DIM_V, WIDE_V_MAX_HEAD_DIM, kernel_head_dims_ok
 from ..validation import resolve_scale
 from .common import (
     DEV_LOG2E,
@@ -447,6 +448,10 @@ def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) ->
         # several tiles, masked and unmasked.
         return BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
     d = max(D, Dv)
+    if Dv > 256:
+        # Wide values (D <= 64): dV and the dO tiles are the large operands; small
+        # tiles over 8 warps keep them in registers. Not timed.
+        return BwdConfig(16, 32, 8, 1, 32, 16, 8, 1)
     # d = 128: the fastest of the shapes timed on an H200 (flashrange bench --sweep);
     # other head dims: shapes whose offline sm_90 builds fit in 255 registers
     # without spilling (d = 256 spills a little), not timed.
@@ -480,7 +485,8 @@ def range_attention_backward_triton(
     if st is None:
         return _zeros(q, k, v)
     # Triton launches on the current device; the inputs may live on another one.
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+    other_device = q.device.type == "cuda" and q.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if other_device else contextlib.nullcontext():
         st.plan = plan if plan is not None else build_plan(q_ranges, k_ranges, mask_types, q.shape[0], k.shape[0])
         _launch_preprocess(st)
         _launch_dkdv(st)
@@ -516,8 +522,11 @@ def _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_sc
         raise ValueError(f"dout and out must have shape {(Tq, Hq, Dv)}, got {tuple(dout.shape)}, {tuple(out.shape)}")
     if lse.shape != (Tq, Hq) or (dlse is not None and dlse.shape != (Tq, Hq)):
         raise ValueError(f"lse and dlse must have shape {(Tq, Hq)}")
-    if max(D, Dv) > 256:
-        raise ValueError(f"head dims up to 256 are supported, got D={D}, Dv={Dv}")
+    if not kernel_head_dims_ok(max(D, 1), max(Dv, 1)):
+        raise ValueError(
+            f"head dims up to {MAX_HEAD_DIM} (and Dv up to {MAX_HEAD_DIM_V} with D <= {WIDE_V_MAX_HEAD_DIM}) "
+            f"are supported, got D={D}, Dv={Dv}"
+        )
     S = mask_types.reshape(-1).shape[0]
     if Tq == 0 or Tk == 0 or Hq == 0 or S == 0 or D == 0 or Dv == 0:
         return None
@@ -552,7 +561,8 @@ def _launch_preprocess(st):
     Tq, Hq, _ = st.q.shape
     Dv = st.v.shape[2]
     out, dout, lse, dlse = st.out, st.dout, st.lse, st.dlse
-    PRE_M = 64
+    # Wide values: fewer rows per program keep the (rows, Dv) tiles in registers.
+    PRE_M = 64 if Dv <= 256 else 16
     launch(_bwd_preprocess, (triton.cdiv(Tq, PRE_M), Hq), (
         out, dout, lse, dlse if dlse is not None else lse, st.delta, st.lse2,
         Tq, Dv,

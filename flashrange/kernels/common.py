@@ -57,17 +57,39 @@ DEV_INV_CAUSAL = tl.constexpr(INV_CAUSAL)
 DEV_BI_CAUSAL = tl.constexpr(BI_CAUSAL)
 
 
-def _spec(x):
-    """What of an argument can change the kernel Triton builds for it (a superset, to be safe)."""
-    if isinstance(x, torch.Tensor):
-        return x.dtype, x.data_ptr() % 16 == 0
-    if isinstance(x, bool) or x is None or isinstance(x, str):
-        return x
-    if isinstance(x, int):
-        return x == 1, x % 16 == 0, -(2**31) <= x < 2**31, x if abs(x) < 64 else None
-    if isinstance(x, float):
-        return float
-    return x
+# Per kernel: how each argument enters the cache key (see _key_plan).
+_KEY_PLANS = {}
+_INT32 = 2**31
+
+
+def _key_plan(kernel):
+    """Per parameter: 'c' constexpr (its value), 'n' int not specialized (its width), 'a' anything else."""
+    plan = _KEY_PLANS.get(kernel)
+    if plan is None:
+        plan = tuple("c" if p.is_constexpr else ("n" if p.do_not_specialize else "a") for p in kernel.params)
+        _KEY_PLANS[kernel] = plan
+    return plan
+
+
+def _cache_key(kernel, args):
+    """What of ``args`` can change the kernel Triton builds (a superset of its own specialization)."""
+    key = []
+    append = key.append
+    for kind, x in zip(_key_plan(kernel), args):
+        if kind == "c":
+            append(x)
+        elif type(x) is torch.Tensor:
+            append((x.dtype, x.data_ptr() & 15 == 0))
+        elif type(x) is int:
+            if kind == "n":
+                append(-_INT32 <= x < _INT32)
+            else:
+                append((x == 1, x & 15 == 0, -_INT32 <= x < _INT32))
+        elif type(x) is float:
+            append(0.0)
+        else:
+            append(x if x is None or isinstance(x, (bool, str)) else (type(x), x))
+    return tuple(key)
 
 
 def _fast_path_available() -> bool:
@@ -96,21 +118,24 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None):
     or on a Triton without ``triton.knobs``, every launch takes the JIT path.
     """
     global _FAST_PATH
-    kwargs = {"num_warps": num_warps}
-    if num_stages is not None:
-        kwargs["num_stages"] = num_stages
     if _FAST_PATH is None:
         _FAST_PATH = _fast_path_available() and not interpreting()
     if not _FAST_PATH:
-        kernel[grid](*args, **kwargs)
+        if num_stages is None:
+            kernel[grid](*args, num_warps=num_warps)
+        else:
+            kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
         return
     from triton import knobs
 
     device = torch.cuda.current_device()
-    key = (kernel, device, num_warps, num_stages, tuple(_spec(a) for a in args))
+    key = (kernel, device, num_warps, num_stages, _cache_key(kernel, args))
     handle = _HANDLES.get(key)
     if handle is None:
-        _HANDLES[key] = kernel[grid](*args, **kwargs)
+        if num_stages is None:
+            _HANDLES[key] = kernel[grid](*args, num_warps=num_warps)
+        else:
+            _HANDLES[key] = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
         return
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
@@ -140,7 +165,10 @@ def needs_int64(*tensors) -> bool:
     for t in tensors:
         if t.numel() == 0:
             continue
-        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        shape, stride = t.shape, t.stride()
+        last = 0
+        for i in range(t.dim()):
+            last += (shape[i] - 1) * abs(stride[i])
         if last >= 2**31 - 1:
             return True
     return False

@@ -158,16 +158,17 @@ def _tile_step(
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "GROUP"])
 def _range_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr,
     slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_lt,
+    stride_ot, stride_oh, stride_lt, stride_mt,
     qk_scale, cap_in, cap_out, GROUP,
     D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr, IS_WARP_SPECIALIZED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
+    HAS_MAX_LOGITS: tl.constexpr,
 ):
     """1-D grid of ``n_plan_blocks * SPLIT * Hq`` programs, ranked heaviest first over all heads.
 
@@ -179,7 +180,9 @@ def _range_attn_fwd_kernel(
     plan block's window (``SPLIT`` tiles of ``BLOCK_M`` rows per block).
 
     ``slices`` ``(S, 5)`` int32 rows ``(qs, qe, ks, ke, type)``, already clamped;
-    ``block_lo/hi`` give each query block's window into them.
+    ``block_lo/hi`` give each query block's window into them. With
+    ``HAS_MAX_LOGITS``, each row's largest score (``-inf`` on uncovered rows)
+    goes to ``rowmax`` ``(Tq, Hq)`` float32.
     """
     pid = tl.program_id(0)
     pid_rank = pid // Hq
@@ -282,6 +285,10 @@ def _range_attn_fwd_kernel(
         + offs_dv[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_dv[None, :] < DV))
     tl.store(lse_ptr + offs_m.to(tl.int64) * stride_lt + pid_h, lse, mask=mask_m)
+    if HAS_MAX_LOGITS:
+        # The running max is the row's largest score in base 2 (the scale and softcap
+        # applied, no weight for overlaps); -inf where nothing is covered.
+        tl.store(rowmax_ptr + offs_m.to(tl.int64) * stride_mt + pid_h, m_i * DEV_LN2, mask=mask_m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +324,10 @@ FWD_CONFIGS = [
     FwdConfig("ptr_m64_n32_w4_s2", 64, 32, 4, 2),
     FwdConfig("ptr_m64_n64_w4_s2", 64, 64, 4, 2),
     FwdConfig("ptr_m128_n32_w8_s3", 128, 32, 8, 3),
+    # Wide values (Dv up to 512): a 64-row accumulator over 8 warps keeps to the register file.
+    FwdConfig("ptr_m64_n32_w8_s2", 64, 32, 8, 2),
+    FwdConfig("ptr_m64_n32_w8_s3", 64, 32, 8, 3),
+    FwdConfig("ptr_m64_n64_w8_s2", 64, 64, 8, 2),
     FwdConfig("tma_m128_n64_w4_s2", 128, 64, 4, 2, use_tma=True),
     FwdConfig("tma_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True),
     FwdConfig("tma_m128_n64_w8_s3", 128, 64, 8, 3, use_tma=True),
@@ -336,7 +347,7 @@ FWD_CONFIGS = [
 _BY_NAME = {c.name: c for c in FWD_CONFIGS}
 
 # Defaults per padded head dim, for 2-byte dtypes on a GPU, from a sweep of every
-# config on an H200 (Triton 3.6; scripts/fwd_timing.py --sweep): the best single
+# config on an H200 (Triton 3.6; flashrange bench --sweep): the best single
 # choice over full, causal, document-causal and sliding-window masks.
 _DEFAULTS = {
     16: "ptr_m128_n64_w4_s3",
@@ -344,6 +355,8 @@ _DEFAULTS = {
     64: "tma_m128_n64_w4_s3",
     128: "tma_m128_n64_w4_s2",
     256: "ptr_m128_n64_w8_s2",
+    # Not timed: the pointer tiles whose accumulator fits (Dv up to 512 needs D <= 64).
+    512: "ptr_m64_n32_w8_s2",
 }
 
 
@@ -428,7 +441,7 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
         return _BY_NAME["cpu_m64_n64"]
     allowed = _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index)
     if dtype.itemsize == 4:
-        name = "ptr_m64_n32_w4_s2"
+        name = "ptr_m64_n32_w4_s2" if pad_dim(head_dim_v) <= 256 else "ptr_m64_n32_w8_s2"
     else:
         name = _DEFAULTS[min(k for k in _DEFAULTS if k >= pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
@@ -455,7 +468,8 @@ def _ensure_allocator():
 
 
 def range_attention_forward_triton(
-    q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, *, plan=None, config=None
+    q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, *, plan=None, config=None,
+    return_max_logits=False,
 ):
     """Range attention forward on the Triton kernel.
 
@@ -465,6 +479,9 @@ def range_attention_forward_triton(
     :func:`flashrange.reference.range_attention_forward` does. `plan`: the
     mask's :class:`~flashrange.plan.RangePlan` (built here when ``None``).
     `config` (a :class:`FwdConfig` or its name) overrides :func:`default_config`.
+    `return_max_logits`: also return `max_logits` `(Hq,)` float32, each head's
+    largest score over the covered cells (`-inf` for a head with none), as
+    :func:`flashrange.reference.range_attention_max_logits` computes it.
 
     Static shapes and no host reads of tensor values: capturable in CUDA graphs.
     """
@@ -476,10 +493,14 @@ def range_attention_forward_triton(
     softcap = float(softcap)
     out = torch.empty(Tq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
+    # Each row's largest score; reduced over the rows after the launch.
+    rowmax = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device) if return_max_logits else None
     if Tq == 0 or Hq == 0:
-        return out, lse
+        return _with_max_logits(out, lse, rowmax)
     if Tk == 0 or q_ranges.shape[0] == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
+        if rowmax is not None:
+            rowmax.fill_(float("-inf"))
+        return _with_max_logits(out.zero_(), lse.fill_(float("-inf")), rowmax)
 
     is_interp = interpreting()
     if config is None:
@@ -502,15 +523,26 @@ def range_attention_forward_triton(
     if use_tma:
         _ensure_allocator()
     split = plan_split(config.BLOCK_M)
-    if q.device.type == "cuda":
-        # Triton launches on the current device; the inputs may live on another one.
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+        # Triton launches on the current device; the inputs live on another one.
         with torch.cuda.device(q.device):
             if plan is None:
                 plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-            return _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_interp)
+            return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp)
     if plan is None:
         plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-    return _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_interp)
+    return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp)
+
+
+def _with_max_logits(out, lse, rowmax):
+    """``(out, lse)``, or ``(out, lse, max_logits)`` when a row-max buffer ``(Tq, Hq)`` was filled."""
+    if rowmax is None:
+        return out, lse
+    if rowmax.shape[0] == 0:
+        # amax refuses an empty dimension; no row means no covered cell.
+        return out, lse, rowmax.new_full((rowmax.shape[1],), float("-inf"))
+    # Uncovered rows hold -inf, the identity of max.
+    return out, lse, rowmax.amax(dim=0)
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
@@ -518,7 +550,7 @@ def _tma_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
 
 
-def _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_interp):
+def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp):
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     n_blocks = plan.q_block_order.shape[0] * split
@@ -528,11 +560,12 @@ def _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_
     else:
         cap_in, cap_out = 0.0, 0.0
     launch(_range_attn_fwd_kernel, (n_blocks * Hq,), (
-        q, k, v, out, lse,
+        # Without max logits the kernel never touches the row-max pointer: lse stands in.
+        q, k, v, out, lse, lse if rowmax is None else rowmax,
         plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
         Tq, Tk, Hq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), 0 if rowmax is None else rowmax.stride(0),
         scale * LOG2E, cap_in, cap_out, Hq // Hkv,
         D, Dv, split, config.BLOCK_M, config.BLOCK_N, pad_dim(D), pad_dim(Dv),
         softcap > 0,  # HAS_SOFTCAP
@@ -543,5 +576,6 @@ def _launch(q, k, v, out, lse, plan, scale, softcap, config, split, use_tma, is_
         is_interp and q.dtype == torch.bfloat16,  # IS_BF16_EMULATED
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
         needs_int64(q, k, v, out),  # IS_INT64
+        rowmax is not None,  # HAS_MAX_LOGITS
     ), num_warps=config.num_warps, num_stages=config.num_stages)
-    return out, lse
+    return _with_max_logits(out, lse, rowmax)
