@@ -325,6 +325,26 @@ def _worker(rank, world, store_path, compile_step):
             cp.dispatch(x[:-1])
         with pytest.raises(ValueError, match="holds"):
             cp.attention(*(torch.zeros(T, 2, 4, dtype=F64),) * 3)
+        # Figures agree with the plan; a 1-D DeviceMesh is a group, a 2-D one is refused.
+        assert cp.balance()["rank_area"] == cp.plan.rank_area().tolist()
+        fig = cp.traffic(heads_kv=2, head_dim=8)
+        assert sum(fig["recv_tokens"]) == sum(fig["send_tokens"])
+        assert fig["ring_tokens"] == [(world - 1) * cp.local_seqlen] * world
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        inputs, want = _reference(qr, kr, mt, T, 0, None, 0.0)
+        cp_mesh = ContextParallel(qr, kr, mt, T, T, group=mesh, chunk_size=C)
+        for g, w in zip(_cp_run(cp_mesh, inputs, None, 0.0), want):
+            _close(cp_mesh.undispatch(g), w, "1-D DeviceMesh")
+        if world == 4:
+            mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+            with pytest.raises(ValueError, match="1-D DeviceMesh"):
+                ContextParallel(qr, kr, mt, T, T, group=mesh2)
+            cp_sub = ContextParallel(qr, kr, mt, T, T, group=mesh2["cp"], chunk_size=C)
+            assert cp_sub.world_size == 2
+            for g, w in zip(_cp_run(cp_sub, inputs, None, 0.0), want):
+                _close(cp_sub.undispatch(g), w, "cp dimension of a 2-D DeviceMesh")
         if compile_step:
             _compiled_step(cp, rank, compile_step)
     finally:
