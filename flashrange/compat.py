@@ -16,13 +16,15 @@ size and the (static) window, so they trace under
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .interface import attention
 from .validation import check_cu_seqlens_values, check_window, strict_enabled, values_readable
 from .window import window_slices
 
-__all__ = ["flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func", "FFA_IGNORED_FLAGS"]
+__all__ = ["flex_flash_attn_func", "flash_attn_func", "flash_attn_varlen_func", "FFA_IGNORED_FLAGS", "AttnForwardMeta"]
 
 # MagiAttention's flags that only tune speed or memory, accepted by name and ignored.
 FFA_IGNORED_FLAGS = (
@@ -43,20 +45,31 @@ FFA_IGNORED_FLAGS = (
 )
 # MagiAttention's flags that change the result and are not implemented: they raise unless left at the default.
 _FFA_UNSUPPORTED = {
-    "sink": None,
     "index_sparse_indices": None,
     "block_sparse": False,
     "index_sparse": False,
-    "return_max_logits": False,
     "return_dtype": None,
     "q_block_size": 1,
     "sparse_k_block_size": 1,
-    "sink_layout": "sh",
 }
 _FFA_NAMES = ("q_ranges", "k_ranges", "attn_type_map")
+# MagiAttention's sink layouts: "sh" is (S_sink, Hq); "ssh" (per-query sinks) and "shd" are not implemented here.
+_SINK_LAYOUTS = ("sh", "ssh", "shd")
 
 # FA3 arguments that change the result and that flashrange does not implement.
-_FA3_UNSUPPORTED = ("qv", "q_descale", "k_descale", "v_descale", "alibi_slopes", "sink", "learnable_sink")
+_FA3_UNSUPPORTED = ("qv", "q_descale", "k_descale", "v_descale", "alibi_slopes")
+
+
+class AttnForwardMeta(NamedTuple):
+    """What :func:`flex_flash_attn_func` returns next to ``out`` with ``return_max_logits=True``.
+
+    Read as MagiAttention's ``AttnForwardMeta``: ``meta.lse`` `(Tq, Hq)` float32
+    and ``meta.max_logits`` `(Hq,)` float32. A named tuple, so that compiled
+    code returns it without a graph break.
+    """
+
+    lse: torch.Tensor
+    max_logits: torch.Tensor | None
 # FA3 arguments that only tune speed or are already the behaviour here.
 _FA3_TUNING = ("num_splits", "pack_gqa", "sm_margin", "scheduler_metadata", "cp_world_size", "cp_rank", "cp_tot_seqused_k")
 
@@ -74,6 +87,9 @@ def flex_flash_attn_func(
     softcap=0.0,
     deterministic=False,
     *,
+    sink=None,
+    sink_layout="sh",
+    return_max_logits=False,
     plan=None,
     strict=None,
     **magi_flags,
@@ -90,16 +106,24 @@ def flex_flash_attn_func(
             is recognised when an int sits in ``attn_type_map``'s place.
         softmax_scale: defaults to `1 / sqrt(D)`; softcap: `0` disables.
         deterministic: accepted; flashrange is always deterministic.
+        sink: optional `(S_sink, Hq)` learnable sink logits, as in
+            :func:`flashrange.range_attention` (``lse`` includes them).
+        sink_layout: ``"sh"`` (the default, `(S_sink, Hq)`); MagiAttention's
+            ``"ssh"`` (per-query sinks) raises ``NotImplementedError``.
+        return_max_logits: also return each head's largest score
+            (MagiAttention's QK-clip statistic), see Returns.
         plan, strict: as in :func:`flashrange.range_attention`.
         magi_flags: MagiAttention's speed knobs (:data:`FFA_IGNORED_FLAGS`)
-            are accepted and ignored; ``sink``, ``index_sparse_indices``,
-            ``block_sparse``, ``index_sparse``, ``return_max_logits`` and
-            ``return_dtype`` change the result, are not supported and raise
-            ``NotImplementedError`` unless left at their defaults; any other
-            keyword raises ``TypeError``.
+            are accepted and ignored; ``index_sparse_indices``,
+            ``block_sparse``, ``index_sparse`` and ``return_dtype`` change the
+            result, are not supported and raise ``NotImplementedError`` unless
+            left at their defaults; any other keyword raises ``TypeError``.
 
     Returns:
-        ``out`` `(Tq, Hq, Dv)` in q's dtype and ``lse`` `(Tq, Hq)` float32.
+        ``out`` `(Tq, Hq, Dv)` in q's dtype and ``lse`` `(Tq, Hq)` float32; with
+        ``return_max_logits=True``, ``(out, meta)`` as MagiAttention returns
+        them: ``meta`` an :class:`AttnForwardMeta` with ``meta.lse`` and
+        ``meta.max_logits`` `(Hq,)` float32 (`-inf` for a head with no covered cell).
     """
     unknown = sorted(set(magi_flags) - set(FFA_IGNORED_FLAGS) - set(_FFA_UNSUPPORTED))
     if unknown:
@@ -131,10 +155,36 @@ def flex_flash_attn_func(
             f"attn_type_map must be an int32 tensor of shape (S,), a list of ints or None, got "
             f"{type(attn_type_map).__name__}"
         )
-    return attention(
+    if sink_layout not in _SINK_LAYOUTS:
+        raise ValueError(f"sink_layout must be one of {', '.join(map(repr, _SINK_LAYOUTS))}, got {sink_layout!r}")
+    if sink_layout != "sh" and sink is not None:
+        raise NotImplementedError(
+            f"flashrange implements sink_layout='sh' only (sink of shape (S_sink, Hq)), got {sink_layout!r}"
+        )
+    result = attention(
         q, k, v, q_ranges, k_ranges, attn_type_map,
-        softmax_scale=softmax_scale, softcap=softcap, plan=plan, strict=strict, names=_FFA_NAMES,
+        softmax_scale=softmax_scale, softcap=softcap, plan=plan, strict=strict, sink=sink,
+        return_max_logits=bool(return_max_logits), names=_FFA_NAMES,
     )
+    if not return_max_logits:
+        return result
+    out, lse, max_logits = result
+    return out, AttnForwardMeta(lse, max_logits)
+
+
+def _fa_sink(learnable_sink, sink, Hq):
+    """``(sink (S_sink, Hq) or None, its parameter name)`` from FA4's ``learnable_sink`` or MagiAttention's ``sink``."""
+    if learnable_sink is None:
+        return sink, "sink"
+    if sink is not None:
+        raise ValueError(
+            "pass learnable_sink (FlashAttention-4: one logit per query head, (Hq,)) or sink (MagiAttention: "
+            "(S_sink, Hq)), not both"
+        )
+    if not isinstance(learnable_sink, torch.Tensor) or learnable_sink.dim() != 1 or learnable_sink.shape[0] != Hq:
+        shape = tuple(learnable_sink.shape) if isinstance(learnable_sink, torch.Tensor) else type(learnable_sink).__name__
+        raise ValueError(f"learnable_sink must have shape (Hq,) = ({Hq},) as in FlashAttention-4, got {shape}")
+    return learnable_sink.view(1, Hq), "learnable_sink"
 
 
 def _fa3_window(causal, window_size, extra):
@@ -169,6 +219,8 @@ def flash_attn_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
+    sink=None,
     strict=None,
     **fa3_flags,
 ):
@@ -184,12 +236,16 @@ def flash_attn_func(
         softmax_scale: defaults to `1 / sqrt(D)`; softcap: `0` disables.
         deterministic: accepted; flashrange is always deterministic.
         return_attn_probs: as in FA3, returns the log-sum-exp, not probabilities.
+        learnable_sink: optional `(Hq,)` sink logits, as FlashAttention-4 names
+            them; or ``sink``: `(S_sink, Hq)`, as MagiAttention's FA3 front-end
+            does. Extra logits in every row's softmax denominator that carry no
+            value (:func:`flashrange.range_attention`); the lse includes them.
         fa3_flags: FA3's speed knobs (``num_splits``, ``pack_gqa``,
             ``sm_margin``) are ignored; ``qv``, descales, ``attention_chunk``
             and dropout raise ``NotImplementedError``.
 
     Rows that see no key (top rows of a causal mask with ``Sq > Sk``) get
-    ``out = 0`` and ``lse = -inf``.
+    ``out = 0`` and ``lse = -inf`` (with sinks, the log-sum-exp of the sinks).
 
     Returns:
         ``out`` `(B, Sq, Hq, Dv)`, or ``(out, lse)`` with ``lse`` `(B, Hq, Sq)`
@@ -211,12 +267,13 @@ def flash_attn_func(
         raise ValueError(f"k and v must share the sequence length, got {k.shape[1]} and {v.shape[1]}")
     b = torch.arange(B, device=q.device, dtype=torch.int64)
     q_ranges, k_ranges, mask_types = window_slices(b * Sq, (b + 1) * Sq, b * Sk, (b + 1) * Sk, left, right)
+    sink, sink_name = _fa_sink(learnable_sink, sink, Hq)
     out, lse = attention(
         q.reshape(B * Sq, Hq, q.shape[3]),
         k.reshape(B * Sk, k.shape[2], k.shape[3]),
         v.reshape(B * Sk, v.shape[2], v.shape[3]),
         q_ranges, k_ranges, mask_types,
-        softmax_scale=softmax_scale, softcap=softcap, strict=strict,
+        softmax_scale=softmax_scale, softcap=softcap, strict=strict, sink=sink, sink_name=sink_name,
     )
     out = out.view(B, Sq, Hq, v.shape[3])
     if not return_attn_probs:
@@ -241,6 +298,8 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     *,
+    learnable_sink=None,
+    sink=None,
     plan=None,
     strict=None,
     **fa3_flags,
@@ -259,7 +318,7 @@ def flash_attn_varlen_func(
             undefined); keys beyond are not attended.
         causal, window_size: as in FA3, per sequence, aligned bottom-right
             (``off = Lk - Lq`` with the used lengths).
-        softmax_scale, softcap, deterministic, return_attn_probs, fa3_flags:
+        softmax_scale, softcap, deterministic, return_attn_probs, learnable_sink, sink, fa3_flags:
             as in :func:`flash_attn_func`.
         plan: a plan of this call's slices (:func:`flashrange.plan_mask` over
             ``flashrange.window.window_slices`` of the same documents), reused
@@ -308,9 +367,10 @@ def flash_attn_varlen_func(
     # The slices are built from cu_seqlens (checked above in strict mode), so their
     # values are not checked again: a message about slices would name nothing the
     # caller wrote.
+    sink, sink_name = _fa_sink(learnable_sink, sink, q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0)
     out, lse = attention(
         q, k, v, q_ranges, k_ranges, mask_types,
-        softmax_scale=softmax_scale, softcap=softcap, plan=plan, strict=False,
+        softmax_scale=softmax_scale, softcap=softcap, plan=plan, strict=False, sink=sink, sink_name=sink_name,
     )
     if not return_attn_probs:
         return out

@@ -19,6 +19,9 @@ __all__ = [
     "MAX_TOKENS",
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
+    "MAX_HEAD_DIM_V",
+    "WIDE_V_MAX_HEAD_DIM",
+    "kernel_head_dims_ok",
     "KERNEL_DTYPES",
     "PLAN_BLOCK",
     "STRICT_ENV",
@@ -33,9 +36,23 @@ TYPE_NAMES = {FULL: "FULL", CAUSAL: "CAUSAL", INV_CAUSAL: "INV_CAUSAL", BI_CAUSA
 # int64 sort key, and the kernels bound |key - row| by 2**30.
 MAX_TOKENS = (1 << 30) - 1
 
-# Head dims (D and Dv) the kernels are built for; the reference takes any.
+# Head dims the kernels are built for; the reference takes any. Every pair with
+# D and Dv up to MAX_HEAD_DIM, and wide values (Dv up to MAX_HEAD_DIM_V) when the
+# query/key head dim is small (D up to WIDE_V_MAX_HEAD_DIM), as FlashAttention-3's
+# d=64 / dv=512. DeepSeek's MLA shape (D=192, Dv=128) is inside the first set.
 MIN_HEAD_DIM = 1
 MAX_HEAD_DIM = 256
+MAX_HEAD_DIM_V = 512
+WIDE_V_MAX_HEAD_DIM = 64
+
+
+def kernel_head_dims_ok(D: int, Dv: int) -> bool:
+    """Whether the GPU kernels serve query/key head dim ``D`` with value head dim ``Dv``."""
+    if D < MIN_HEAD_DIM or Dv < MIN_HEAD_DIM:
+        return False
+    if D <= MAX_HEAD_DIM and Dv <= MAX_HEAD_DIM:
+        return True
+    return D <= WIDE_V_MAX_HEAD_DIM and Dv <= MAX_HEAD_DIM_V
 
 # Dtypes the GPU kernels run; float64 always runs the reference.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

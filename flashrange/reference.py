@@ -24,7 +24,7 @@ import torch
 
 from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, MASK_TYPES
 
-__all__ = ["range_attention_forward", "range_attention_backward", "coverage_counts"]
+__all__ = ["range_attention_forward", "range_attention_backward", "range_attention_max_logits", "coverage_counts"]
 
 # Upper bound on the elements of one (Hq, chunk, Tk) float32 score block.
 _CHUNK_ELEMENTS = 1 << 24
@@ -216,3 +216,38 @@ def range_attention_backward(
             dq[r0:r1] = torch.einsum("ngck,knd->cngd", ds, kc).reshape(C, Hq, D)
             dk += torch.einsum("ngck,cngd->knd", ds, qc)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0):
+    """Reference max logits: per query head, the largest score over every covered cell.
+
+    `q`: `(Tq, Hq, D)`, `k`: `(Tk, Hkv, D)`; ranges and types as in
+    :func:`range_attention_forward`. Scores are scaled and softcapped as in the
+    forward, with no weight for overlaps (a cell covered twice has one score).
+    Returns `(Hq,)` float32 (float64 for float64 inputs); `-inf` for a head with
+    no covered cell (that is, when the mask covers nothing).
+    """
+    _check_shapes(q, k, k)
+    Tq, Hq, D = q.shape
+    Tk, Hkv, _ = k.shape
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    dev = q.device
+    acc = _acc_dtype(q.dtype)
+    best = torch.full((Hq,), float("-inf"), dtype=acc, device=dev)
+    slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if not slices or Tq == 0 or Tk == 0:
+        return best
+    kf = k.to(acc)
+    step = _chunk_rows(Hq, Tk)
+    for r0 in range(0, Tq, step):
+        r1 = min(Tq, r0 + step)
+        cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
+        if not bool((cnt > 0).any()):
+            continue
+        # Uncovered tokens stay out of the products, as in the forward.
+        qc, kc, _ = _used_only(q[r0:r1].to(acc), kf, kf, cnt)
+        s = _scores(qc.view(r1 - r0, Hkv, G, D), kc, scale, softcap)
+        s = torch.where(cnt > 0, s, float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(2, 3)).reshape(Hq))
+    return best

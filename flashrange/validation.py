@@ -22,13 +22,24 @@ import os
 
 import torch
 
-from .constants import KERNEL_DTYPES, MASK_TYPES, MAX_HEAD_DIM, MAX_TOKENS, STRICT_ENV, TYPE_NAMES
+from .constants import (
+    KERNEL_DTYPES,
+    MASK_TYPES,
+    MAX_HEAD_DIM,
+    MAX_HEAD_DIM_V,
+    MAX_TOKENS,
+    STRICT_ENV,
+    TYPE_NAMES,
+    WIDE_V_MAX_HEAD_DIM,
+    kernel_head_dims_ok,
+)
 
 __all__ = [
     "RANGE_NAMES",
     "check_qkv",
     "check_ranges",
     "check_scalars",
+    "check_sink",
     "check_window",
     "resolve_scale",
     "strict_enabled",
@@ -72,10 +83,12 @@ def check_qkv(q, k, v):
         raise ValueError(f"at most {MAX_TOKENS} tokens are supported, got Tq={q.shape[0]}, Tk={k.shape[0]}")
     if q.device.type == "cuda" and q.dtype in KERNEL_DTYPES:
         D, Dv = q.shape[2], v.shape[2]
-        if not (1 <= D <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
+        if not kernel_head_dims_ok(D, Dv):
             raise ValueError(
                 f"head dims from 1 to {MAX_HEAD_DIM} are supported on the GPU (q/k: D, v: Dv), got D={D}, "
-                f"Dv={Dv}; larger head dims run only on the CPU reference"
+                f"Dv={Dv}; larger head dims run only on the CPU reference. Wider values are supported too: "
+                f"Dv up to {MAX_HEAD_DIM_V} when D <= {WIDE_V_MAX_HEAD_DIM} (e.g. D={WIDE_V_MAX_HEAD_DIM}, "
+                f"Dv={MAX_HEAD_DIM_V})"
             )
 
 
@@ -101,6 +114,25 @@ def check_ranges(q_ranges, k_ranges, mask_types, device, names=RANGE_NAMES):
             raise ValueError(f"{name} must be int32, got {t.dtype}; convert with {name}.to(torch.int32)")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with {name}.to(q.device)")
+
+
+def check_sink(sink, q, name="sink"):
+    """Learnable sink logits: a floating-point `(S_sink, Hq)` tensor on q's device, ``S_sink >= 1``.
+
+    ``name``: the caller's parameter name, for the messages.
+    """
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (S_sink, Hq) or None, got {type(sink).__name__}")
+    Hq = q.shape[1]
+    if sink.dim() != 2 or sink.shape[0] < 1 or sink.shape[1] != Hq:
+        raise ValueError(
+            f"{name} must have shape (S_sink, Hq) = (S_sink >= 1, {Hq}): one logit per sink and query head, "
+            f"got {tuple(sink.shape)}"
+        )
+    if not sink.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (float32 recommended), got {sink.dtype}")
+    if sink.device != q.device:
+        raise ValueError(f"{name} is on {sink.device} but q is on {q.device}; move it with {name}.to(q.device)")
 
 
 def check_scalars(softmax_scale, softcap):
