@@ -434,23 +434,33 @@ def test_world_one_opcheck_and_inductor(tmp_path):
 # ----------------------------------------------------------------------------- GPU (NCCL)
 
 
-def _gpu_worker(rank, world, store_path):
-    """NCCL, bf16 and float32 Triton kernels: the three-way rule against one GPU and a float64 golden."""
+def _gpu_worker(rank, world, store_path, backend="nccl", shrink=1):
+    """NCCL, bf16 and float32 Triton kernels: the three-way rule against one GPU and a float64 golden.
+
+    ``backend="gloo"`` with a large ``shrink`` runs the same checks on the CPU (a dry run of this code).
+    """
     import torch.distributed as dist
 
     from golden import assert_three_way
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world, device_id=dev)
+    if backend == "nccl":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
+                                device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         M = flashrange.RangeMask
         rng = random.Random(11)
+        n = [x // shrink for x in (8229, 1000, 1003, 5000, 8000, 6000, 5003, 700, 3001)]
         cases = [
-            ("documents", 8229, 256, M.varlen([0, 1000, 1003, 5000, 8000, 8229], causal=True).tensors()),
-            ("causal_default_chunk", 6000, None, M.causal(6000).tensors()),
-            ("window", 5003, 128, M.sliding_window(5003, 700).tensors()),
-            ("random", 3001, 64, _random_mask(rng, 3001, 24)),
+            ("documents", n[0], 256 // shrink, M.varlen([0, *n[1:5], n[0]], causal=True).tensors()),
+            ("causal_default_chunk", n[5], None, M.causal(n[5]).tensors()),
+            ("window", n[6], 128 // shrink, M.sliding_window(n[6], n[7]).tensors()),
+            ("random", n[8], 64 // shrink, _random_mask(rng, n[8], 24)),
         ]
         for name, T, C, mask in cases:
             qr, kr, mt = (t.to(dev) for t in mask)
@@ -460,7 +470,7 @@ def _gpu_worker(rank, world, store_path):
                 q, k, v, dout = (x.to(dev, dtype) for x in base)
 
                 def single(dt):
-                    qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, k, v))
+                    qq, kk, vv = (x.to(dt, copy=True).requires_grad_() for x in (q, k, v))
                     o, l = flashrange.range_attention(qq, kk, vv, qr, kr, mt)
                     (o * dout.to(dt)).sum().backward()
                     return o.detach(), l.detach(), qq.grad, kk.grad, vv.grad
