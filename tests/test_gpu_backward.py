@@ -265,7 +265,10 @@ def test_cuda_graph_training_step_replays_after_range_update():
     assert not all(_close(a, b) for a, b in zip(grads_b, static_grads))
 
 
-def test_training_step_has_no_host_sync():
+def test_training_step_has_no_host_sync(monkeypatch):
+    """A default forward + backward under ``set_sync_debug_mode("error")``: nothing switched off
+    (``FLASHRANGE_STRICT`` unset, default arguments), only a first step before it to build the kernels."""
+    monkeypatch.delenv("FLASHRANGE_STRICT", raising=False)
     x, (wq, wk, wv) = _train_setup(seed=2)
     qr, kr, mt = _ranges(_docs(1000, 6, 13) + [(0, 0, 0, 0, FULL)])
     _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)  # compile the kernels first
@@ -276,3 +279,45 @@ def test_training_step_has_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.isfinite(g).all() for g in grads)
+    # The same step outside the mode gives the same gradients (the mode changed nothing).
+    again = _train_step(wq, wk, wv, x, qr, kr, mt, 4, 2, 64)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+def test_offsets_past_int32_in_a_strided_view():
+    """q, k, v views into a fused buffer whose rows are 2**21 + 64 elements apart: element offsets pass 2**31
+    at row 1024 while each view holds a few MB. The backward (and forward) must use 64-bit row offsets: same
+    bits as contiguous copies, three-way accurate (tests/test_kernel_backward.py has the CPU twin)."""
+    from flashrange.kernels.common import needs_int64
+    from flashrange.kernels.forward import range_attention_forward_triton
+
+    T, Hq, Hkv, D = 1100, 4, 2, 64
+    stride = 2**21 + 64
+    buf = torch.empty(T, stride, dtype=torch.bfloat16, device=DEV)  # 4.6 GB
+    g = torch.Generator(device=DEV).manual_seed(11)
+    width = (Hq + 2 * Hkv) * D
+    buf[:, :width] = torch.randn(T, width, generator=g, device=DEV).to(torch.bfloat16)
+    q = buf[:, :Hq * D].view(T, Hq, D)
+    k = buf[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    v = buf[:, (Hq + Hkv) * D:width].view(T, Hkv, D)
+    assert (T - 1) * q.stride(0) >= 2**31 and needs_int64(q)
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    rows = _docs(T, 5, 21) + [(0, T, 0, T, INV_CAUSAL), (1000, T, 0, 1050, FULL)]
+    qr, kr, mt = _ranges(rows)
+    do = torch.randn(T, Hq, D, generator=g, device=DEV).to(torch.bfloat16)
+    dlse = torch.randn(T, Hq, generator=g, device=DEV)
+    out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 0.125, 0.0)
+    want = range_attention_forward_triton(qc, kc, vc, qr, kr, mt, 0.125, 0.0)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, 0.125, 0.0, dlse)
+    torch.cuda.synchronize()
+    want = range_attention_backward_triton(do, qc, kc, vc, out, lse, qr, kr, mt, 0.125, 0.0, dlse)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    f64 = [t.double() for t in (qc, kc, vc)]
+    o64, l64 = reference.range_attention_forward(*f64, qr, kr, mt, 0.125, 0.0)
+    gold = reference.range_attention_backward(do.double(), *f64, o64, l64, qr, kr, mt, 0.125, 0.0, dlse)
+    ref = reference.range_attention_backward(do, qc, kc, vc, out, lse, qr, kr, mt, 0.125, 0.0, dlse)
+    for name, g_, r, x in zip(("dq", "dk", "dv"), gold, ref, got):
+        assert_three_way(name, x, r, g_)
+    del buf

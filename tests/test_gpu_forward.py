@@ -177,18 +177,83 @@ def test_cuda_graph_replay_after_in_place_update():
     check_three_way(q, k, v, qb, kb, tb, 0.125, 0.0, out, lse)
 
 
-def test_no_host_sync():
-    T, Hq, Hkv, D = 2049, 4, 1, 128
-    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.float16, DEV, seed=3)
-    qr, kr, mt = (t.to(DEV) for t in random_slices(T, T, 10, seed=4))
-    flashrange.range_attention(q, k, v, qr, kr, mt)  # compile first: Triton's first launch may sync
+def _front_end_calls(T=2049, Hq=4, Hkv=1, D=128, seed=3):
+    """Default calls of every front-end on one problem: ``{name: zero-argument call}`` and the inputs."""
+    q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.float16, DEV, seed=seed)
+    qr, kr, mt = (t.to(DEV) for t in random_slices(T, T, 10, seed=seed + 1))
+    cu = torch.tensor([0, 700, 701, T], dtype=torch.int32, device=DEV)
+    B = 3
+    S = T // B
+    q4, k4, v4 = (t[: B * S].view(B, S, t.shape[1], D) for t in (q, k, v))
+    calls = {
+        "range_attention": lambda: flashrange.range_attention(q, k, v, qr, kr, mt),
+        "range_attention-plan": lambda: flashrange.range_attention(
+            q, k, v, qr, kr, mt, plan=flashrange.plan_mask(qr, kr, mt, T, T)),
+        "flex_flash_attn_func": lambda: flashrange.flex_flash_attn_func(q, k, v, qr, kr, mt),
+        "flash_attn_func": lambda: flashrange.flash_attn_func(q4, k4, v4, causal=True, window_size=(100, 0)),
+        "flash_attn_varlen_func": lambda: flashrange.flash_attn_varlen_func(q, k, v, cu, cu, T, T, causal=True),
+    }
+    return calls, (q, k, v, qr, kr, mt)
+
+
+FRONT_ENDS = ["range_attention", "range_attention-plan", "flex_flash_attn_func", "flash_attn_func",
+              "flash_attn_varlen_func"]
+
+
+@pytest.mark.parametrize("name", FRONT_ENDS)
+def test_no_host_sync(name, monkeypatch):
+    """The default call of every front-end under ``set_sync_debug_mode("error")``: nothing else switched off
+    (no ``strict=False``, ``FLASHRANGE_STRICT`` unset), only a first call before it to build the kernels."""
+    monkeypatch.delenv("FLASHRANGE_STRICT", raising=False)
+    calls, (q, k, v, qr, kr, mt) = _front_end_calls()
+    call = calls[name]
+    warm = call()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+        got = call()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    check_three_way(q, k, v, qr, kr, mt, D ** -0.5, 0.0, out, lse)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), warm if isinstance(warm, tuple) else (warm,)):
+        assert torch.equal(a, b)
+    if name.startswith("range_attention"):
+        check_three_way(q, k, v, qr, kr, mt, q.shape[-1] ** -0.5, 0.0, *got)
+
+
+@pytest.mark.parametrize("name", FRONT_ENDS)
+def test_default_call_does_not_wait_for_the_gpu(name, monkeypatch):
+    """Independent of the sync debug mode: a default call returns while earlier GPU work still runs.
+
+    A spin kernel keeps the stream busy; if the call read anything on the host it would wait for the
+    spin to finish, and the spin's event would be complete when the call returns.
+    """
+    monkeypatch.delenv("FLASHRANGE_STRICT", raising=False)
+    calls, _ = _front_end_calls()
+    call = calls[name]
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time
+    spun = torch.cuda.Event()
+    spun.record()
+    call()
+    still_spinning = not spun.query()
+    torch.cuda.synchronize()
+    assert still_spinning, f"{name} waited for the GPU (a host read of a device value)"
+
+
+def test_sync_debug_mode_switches_no_check_off():
+    """Strict mode still checks values while the sync debug mode is on ("warn": it reports the one
+    host read strict mode makes); it used to skip them silently."""
+    T = 64
+    q, k, v = make_qkv(T, T, 2, 1, 64, 64, torch.bfloat16, DEV, seed=5)
+    qr = torch.tensor([[0, T], [3, T + 9]], dtype=torch.int32, device=DEV)
+    mt = torch.tensor([CAUSAL, FULL], dtype=torch.int32, device=DEV)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.raises(ValueError, match=r"slice 1: q_ranges\[1\] = \[3, 73\) lies outside \[0, Tq=64\]"):
+            flashrange.range_attention(q, k, v, qr, qr.clone(), mt, strict=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def test_opcheck_fwd_cuda():
