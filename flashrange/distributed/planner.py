@@ -56,6 +56,10 @@ _BIG = 1 << 40
 _CHUNKS_PER_RANK = 16
 
 
+# Bound on the refinement swaps, per rank: a few do nearly all of the good.
+_SWAPS_PER_RANK = 8
+
+
 def default_chunk_size(total_seqlen: int, world_size: int) -> int:
     """The default chunk size: about ``_CHUNKS_PER_RANK`` chunks per rank.
 
@@ -177,25 +181,37 @@ def _runs(sorted_ids):
 def _refine(owner, area, W, per):
     """Improve an assignment by swapping chunks out of the most loaded rank while its load drops.
 
-    Each accepted swap lowers the largest load of the pair below the old
-    maximum, so the sorted load vector decreases and the loop ends; it is
-    bounded anyway. Ties pick the lowest chunk and rank ids (deterministic).
+    Each accepted swap lowers the larger load of the pair below the old
+    maximum, so the sorted load vector decreases and the loop would end by
+    itself; it stops after ``_SWAPS_PER_RANK`` swaps per rank. For a chunk
+    ``c`` of the most loaded rank ``M`` and another rank ``r``, the best
+    partner ``d`` has the area nearest to ``area[c] - (load[M] - load[r]) / 2``
+    (the larger load of the pair is V-shaped in the area moved), so each
+    step is a batched ``searchsorted``, not a search over all pairs.
+    Deterministic (first minimum on ties).
     """
     n = owner.numel()
-    for _ in range(2 * n):
+    for _ in range(_SWAPS_PER_RANK * W):
         chunks = torch.argsort(owner * n + torch.arange(n)).view(W, per)
         A = area[chunks]  # (W, per)
         loads = A.sum(1)
         M = int(torch.argmax(loads))
-        x = A[M][:, None, None] - A[None, :, :]  # area moved from M to r by swapping (c, d)
-        pair_max = torch.maximum(loads[M] - x, loads[None, :, None] + x)
+        sorted_a, order = torch.sort(A, dim=1, stable=True)
+        # Float64 holds the areas exactly (far below 2**53 cells).
+        target = A[M].double()[None, :] - (loads[M] - loads).double()[:, None] / 2  # (W, per)
+        pos = torch.searchsorted(sorted_a.double().contiguous(), target.contiguous())
+        cand = torch.stack([pos - 1, pos]).clamp(0, per - 1)  # (2, W, per): neighbours of the target
+        a_d = torch.gather(sorted_a.expand(2, W, per), 2, cand)
+        moved = A[M][None, None, :] - a_d
+        pair_max = torch.maximum(loads[M] - moved, loads[None, :, None] + moved)
         pair_max[:, M, :] = loads[M]
         best = int(torch.argmin(pair_max))
         if int(pair_max.view(-1)[best]) >= int(loads[M]):
             break
-        i, rest = divmod(best, W * per)
-        r, j = divmod(rest, per)
-        c, d = int(chunks[M, i]), int(chunks[r, j])
+        k, rest = divmod(best, W * per)
+        r, i = divmod(rest, per)
+        c = int(chunks[M, i])
+        d = int(chunks[r, order[r, cand[k, r, i]]])
         owner = owner.clone()
         owner[c], owner[d] = r, M
     return owner
