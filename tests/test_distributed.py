@@ -129,8 +129,9 @@ def test_planner_properties(world):
                 assert p.send_splits(s)[d] == p.recv_splits(d)[s], ctx
             assert p.send_index(s).numel() == sum(p.send_splits(s)), ctx
         assert int(p.send_tokens.sum()) == int(p.recv_tokens.sum()), ctx
-        # Balance: at least as good as the contiguous split, and the areas add up to the mask's.
+        # Balance: at least as good as the contiguous split and as plain LPT, areas adding up to the mask's.
         assert int(p.rank_area().max()) <= int(p.rank_area(contiguous=True).max()), ctx
+        assert int(p.rank_area().max()) <= _lpt_max(p.chunk_area.tolist(), world), ctx
         assert int(p.rank_area().sum()) == flashrange.RangeMask(qr, kr, mt).area(), ctx
         # Keys: exactly what the local rows read, minus what the rank owns.
         cov = dense_counts(qr, kr, mt, T, T) > 0
@@ -142,6 +143,17 @@ def test_planner_properties(world):
             assert not bool((got[:, 0] == r).any()), ctx
             assert _intervals_to_set(got[:, 1:].tolist()) == need - set(idx[r].tolist()), ctx
             assert sum(b - a for _, a, b in got.tolist()) == sum(p.recv_splits(r)), ctx
+
+
+def _lpt_max(areas, world):
+    """Largest load of plain LPT with equal chunk counts (largest first to the least loaded rank with room)."""
+    per = len(areas) // world
+    loads, taken = [0] * world, [0] * world
+    for a in sorted(areas, reverse=True):
+        r = min((r for r in range(world) if taken[r] < per), key=lambda r: (loads[r], r))
+        loads[r] += a
+        taken[r] += 1
+    return max(loads)
 
 
 def _simulate(qr, kr, mt, T, world, C, seed=0):
