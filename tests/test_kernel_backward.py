@@ -183,7 +183,7 @@ def test_bitwise_rerun_permutation_padding():
     padded = shuffled[:]
     for _ in range(5):
         padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
-    for variant in (shuffled, padded):
+    for variant in (rows, shuffled, padded):  # a rerun, then the permuted and padded lists
         qr, kr, mt = _ranges(variant)
         got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)
         for a, b in zip((dq, dk, dv), got):

@@ -152,11 +152,15 @@ def test_each_type_many_tiles(mtype):
     """One large slice per type with small tiles: masked edges and the unmasked middle.
 
     The slice is offset from the tensor edges and taller than wide (causal
-    alignment bottom-right, inverse top-left), with a second, overlapping slice.
+    alignment bottom-right, inverse top-left; BI_CAUSAL, empty when taller than
+    wide, gets a wide band instead), with a second, overlapping slice.
     """
     Tq, Tk, Hq, Hkv, D = 130, 121, 2, 1, 16
+    q_range = (3, 35) if mtype == BI_CAUSAL else (3, 127)
+    # Whole 16 x 32 tiles of cpu_m16_n32 inside the slice: the unmasked middle is reached.
+    assert longest_full_run(q_range, (5, 118), mtype, Tq, Tk, 16) >= 2 * 32 - 1
     q, k, v = make_qkv(Tq, Tk, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=mtype)
-    qr = torch.tensor([[3, 127], [40, 90]], dtype=torch.int32)
+    qr = torch.tensor([q_range, [40, 90]], dtype=torch.int32)
     kr = torch.tensor([[5, 118], [0, 121]], dtype=torch.int32)
     mt = torch.tensor([mtype, (mtype + 1) % 4], dtype=torch.int32)
     out, lse = run_kernel(q, k, v, qr, kr, mt, 0.3, config="cpu_m16_n32")
@@ -166,6 +170,7 @@ def test_each_type_many_tiles(mtype):
 def test_aligned_causal_full_tiles():
     """Square causal from 0 with tiles dividing T: most tiles take the unmasked path."""
     T, Hq, Hkv, D = 128, 2, 1, 16
+    assert longest_full_run((0, T), (0, T), CAUSAL, T, T, 32) >= 2 * 16 - 1
     q, k, v = make_qkv(T, T, Hq, Hkv, D, D, torch.float16, DEV, seed=5)
     qr = torch.tensor([[0, T]], dtype=torch.int32)
     mt = torch.tensor([CAUSAL], dtype=torch.int32)
