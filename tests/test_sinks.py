@@ -1,0 +1,370 @@
+"""Learnable attention sinks (GPT-OSS; MagiAttention's ``sink``, FlashAttention-4's ``learnable_sink``).
+
+Contract (docs/features.md): ``sink`` `(S_sink, Hq)` adds logits to every
+row's softmax denominator that carry no value:
+``lse_i = log(sum_j exp(s_ij) + sum_t exp(sink_t))``,
+``out_i = sum_j exp(s_ij - lse_i) v_j``; a row no slice covers gets
+``out = 0`` and ``lse = logsumexp(sink)``. Differentiable in q, k, v and sink.
+
+The golden is written here, in float64, the way MagiAttention's torch
+reference writes it: the dense scores of ``golden.dense_counts`` with the
+sink logits appended as extra columns, one logsumexp over the row, and the
+sink columns dropped before ``p @ v``; its gradients come from autograd.
+Checked: the CPU path (reference op + sink merge) in float64 to ~1e-12; the
+Triton kernels under the interpreter, forward and backward, with the
+three-way rule; uncovered rows and empty masks; ``-inf`` sinks (no sink);
+every front-end's spelling; ``torch.compile(fullgraph=True)`` of a training
+step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import flashrange
+from flashrange import reference
+from flashrange.interface import merge_sink
+from golden import assert_three_way, dense_counts, fa3_window_counts, random_slice_rows
+
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden
+
+
+def golden_sink_attention(q, k, v, counts, sink, softmax_scale=None, softcap=0.0):
+    """Float64 `(out, lse)` with sinks; `q` `(Tq, Hq, D)`, `k` `(Tk, Hkv, D)`, `v` `(Tk, Hkv, Dv)`,
+    `counts` `(Tq, Tk)`, `sink` `(S_sink, Hq)` (finite). Differentiable in q, k, v, sink."""
+    q, k, v, sink = q.double(), k.double(), v.double(), sink.double()
+    Tq, Hq, D = q.shape
+    Tk = k.shape[0]
+    G = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    s = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(G, dim=1)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    # A cell covered c times weighs c; an uncovered cell is -inf (where(): no NaN gradient).
+    weight = torch.log(counts.double().clamp_min(1))
+    logits = torch.where(counts[None] > 0, s + weight, float("-inf"))
+    logits = torch.cat([logits, sink.t()[:, None, :].expand(Hq, Tq, sink.shape[0])], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)  # (Hq, Tq): finite, the sinks are in every row
+    p = torch.exp(logits - lse[..., None])[..., :Tk]
+    out = torch.einsum("hij,jhd->ihd", p, v.repeat_interleave(G, dim=1))
+    return out, lse.t()
+
+
+def _golden_grads(q, k, v, counts, sink, scale, softcap, dout, dlse):
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, sink)]
+    out, lse = golden_sink_attention(*leaves[:3], counts, leaves[3], scale, softcap)
+    loss = (out * dout.double()).sum() + (lse * dlse.double()).sum()
+    return out.detach(), lse.detach(), torch.autograd.grad(loss, leaves)
+
+
+def _ranges(rows):
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+def _inputs(Tq, Tk, Hq, Hkv, D, Dv, S_sink, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Tq, Hq, D, generator=g).to(dtype)
+    k = torch.randn(Tk, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(Tk, Hkv, Dv, generator=g).to(dtype)
+    sink = torch.randn(S_sink, Hq, generator=g) * 2
+    dout = torch.randn(Tq, Hq, Dv, generator=g).to(dtype)
+    dlse = torch.randn(Tq, Hq, generator=g)
+    return q, k, v, sink, dout, dlse
+
+
+def _grads(fn, q, k, v, sink, dout, dlse):
+    """``(out, lse, (dq, dk, dv, dsink))`` of ``fn(q, k, v, sink) -> (out, lse)``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, sink)]
+    out, lse = fn(*leaves)
+    loss = (out.float() * dout.float()).sum() + (lse * dlse.to(lse.dtype)).sum()
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return out.detach(), lse.detach(), [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU path in float64
+
+
+MASKS = [
+    pytest.param(23, 29, 4, 2, 1, 0.0, id="gqa2-one-sink"),
+    pytest.param(31, 17, 2, 1, 3, 0.0, id="mqa-three-sinks"),
+    pytest.param(19, 19, 2, 2, 2, 4.0, id="softcap-two-sinks"),
+]
+
+
+@pytest.mark.parametrize("Tq,Tk,Hq,Hkv,S_sink,softcap", MASKS)
+def test_reference_float64_matches_golden(Tq, Tk, Hq, Hkv, S_sink, softcap):
+    """Random masks (every type, overlaps, empty slices, uncovered rows): forward and every gradient, sink's too."""
+    q, k, v, sink, dout, dlse = _inputs(Tq, Tk, Hq, Hkv, 8, 12, S_sink, torch.float64, seed=Tq + S_sink)
+    sink = sink.double()
+    qr, kr, mt = _ranges(random_slice_rows(Tq, Tk, 5, random.Random(Tq * Tk), n_empty=2, uncovered=3))
+    counts = dense_counts(qr, kr, mt, Tq, Tk)
+    gold_out, gold_lse, gold_grads = _golden_grads(q, k, v, counts, sink, 0.3, softcap, dout, dlse)
+
+    def fn(q, k, v, sink):
+        return flashrange.range_attention(q, k, v, qr, kr, mt, softmax_scale=0.3, softcap=softcap, sink=sink)
+
+    out, lse, grads = _grads(fn, q, k, v, sink, dout, dlse)
+    assert out.dtype == lse.dtype == torch.float64
+    assert (out - gold_out).abs().max() < 1e-12 and (lse - gold_lse).abs().max() < 1e-12
+    for name, got, gold in zip(("dq", "dk", "dv", "dsink"), grads, gold_grads):
+        assert (got - gold).abs().max() < 1e-11, name
+
+
+def test_uncovered_rows_and_empty_masks():
+    """A row no slice covers: out = 0, lse = logsumexp(sink), no gradient to its q; dsink gets its dlse."""
+    Tq, Tk, Hq = 13, 9, 2
+    q, k, v, sink, dout, dlse = _inputs(Tq, Tk, Hq, 1, 8, 8, 2, torch.float64, seed=1)
+    sink = sink.double()
+    L = torch.logsumexp(sink, dim=0)
+    for rows in ([(0, 6, 0, 9, CAUSAL)], [(0, 0, 0, 0, FULL)], []):
+        qr, kr, mt = _ranges(rows) if rows else (torch.zeros(0, 2, dtype=torch.int32),) * 2 + (
+            torch.zeros(0, dtype=torch.int32),)
+        covered = dense_counts(qr, kr, mt, Tq, Tk).any(dim=1) if rows else torch.zeros(Tq, dtype=torch.bool)
+
+        def fn(q, k, v, sink):
+            return flashrange.range_attention(q, k, v, qr, kr, mt, sink=sink)
+
+        out, lse, (dq, dk, dv, dsink) = _grads(fn, q, k, v, sink, dout, dlse)
+        assert (out[~covered] == 0).all()
+        assert (lse[~covered] - L).abs().max() < 1e-14
+        assert (dq[~covered] == 0).all()
+        gold = _golden_grads(q, k, v, dense_counts(qr, kr, mt, Tq, Tk), sink, None, 0.0, dout, dlse)
+        assert (dsink - gold[2][3]).abs().max() < 1e-12
+        if not covered.any():
+            # Only the sinks: d sink_t = sum_i dlse_i * softmax(sink)_t.
+            want = dlse.double().sum(0) * torch.softmax(sink, dim=0)
+            assert (dsink - want).abs().max() < 1e-12
+
+
+def test_minus_inf_sinks_are_no_sinks():
+    """A head whose sinks are all -inf behaves bitwise as without sinks, and every gradient stays finite."""
+    q, k, v, _, dout, dlse = _inputs(17, 17, 2, 1, 8, 8, 1, torch.float32, seed=2)
+    qr, kr, mt = _ranges([(0, 10, 0, 17, CAUSAL)])  # rows 10..16 uncovered
+    sink = torch.full((2, 2), float("-inf"))
+
+    out, lse, (dq, dk, dv, dsink) = _grads(
+        lambda q, k, v, s: flashrange.range_attention(q, k, v, qr, kr, mt, sink=s), q, k, v, sink, dout, dlse
+    )
+    finite = torch.isfinite(lse)
+    out0, lse0, grads0 = _grads(
+        lambda q, k, v, s: flashrange.range_attention(q, k, v, qr, kr, mt), q, k, v, sink, dout,
+        torch.where(finite, dlse, torch.zeros_like(dlse)),
+    )
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    assert torch.isneginf(lse[10:]).all()
+    for got in (dq, dk, dv, dsink):
+        assert torch.isfinite(got).all()
+    assert (dsink == 0).all()
+
+
+def test_sink_dtypes():
+    """float32 is the usual sink dtype; bf16 / fp16 sinks (FA4 takes them) are upcast and get gradients in their dtype."""
+    q, k, v, sink, _, _ = _inputs(11, 11, 2, 2, 8, 8, 1, torch.bfloat16, seed=3)
+    qr, kr, mt = _ranges([(0, 11, 0, 11, CAUSAL)])
+    want_out, want_lse = flashrange.range_attention(q, k, v, qr, kr, mt, sink=sink.to(torch.bfloat16).float())
+    s16 = sink.to(torch.bfloat16).requires_grad_(True)
+    out, lse = flashrange.range_attention(q, k, v, qr, kr, mt, sink=s16)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and lse.dtype == torch.float32
+    lse.sum().backward()
+    assert s16.grad.dtype == torch.bfloat16 and torch.isfinite(s16.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels (interpreter on the CPU), composed with the sink merge as on the GPU
+
+
+class _KernelAttention(torch.autograd.Function):
+    """The Triton forward and backward as an autograd function: the GPU path of the ops, called directly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qr, kr, mt, scale):
+        from flashrange.kernels.forward import range_attention_forward_triton
+
+        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, scale)
+        ctx.save_for_backward(q, k, v, out, lse, qr, kr, mt)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from flashrange.kernels.backward import range_attention_backward_triton
+
+        q, k, v, out, lse, qr, kr, mt = ctx.saved_tensors
+        dq, dk, dv = range_attention_backward_triton(
+            dout.contiguous(), q, k, v, out, lse, qr, kr, mt, ctx.scale, 0.0, dlse.contiguous()
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+@pytest.mark.parametrize(
+    "Tq,Tk,Hq,Hkv,D,S_sink,dtype",
+    [
+        pytest.param(45, 37, 4, 2, 16, 1, torch.bfloat16, id="gqa2-bf16"),
+        pytest.param(33, 70, 2, 1, 32, 2, torch.float16, id="mqa-fp16"),
+    ],
+)
+def test_kernels_three_way(Tq, Tk, Hq, Hkv, D, S_sink, dtype):
+    pytest.importorskip("triton")
+    q, k, v, sink, dout, dlse = _inputs(Tq, Tk, Hq, Hkv, D, D, S_sink, dtype, seed=Tq * 5 + Tk)
+    qr, kr, mt = _ranges(random_slice_rows(Tq, Tk, 5, random.Random(Tk), n_empty=1, uncovered=4))
+    scale = D ** -0.5
+    counts = dense_counts(qr, kr, mt, Tq, Tk)
+    gold_out, gold_lse, gold_grads = _golden_grads(q, k, v, counts, sink, scale, 0.0, dout, dlse)
+
+    def kernels(q, k, v, sink):
+        out, lse = _KernelAttention.apply(q, k, v, qr, kr, mt, scale)
+        return merge_sink(out, lse, sink)
+
+    def cpu(q, k, v, sink):
+        return flashrange.range_attention(q, k, v, qr, kr, mt, softmax_scale=scale, sink=sink)
+
+    out, lse, grads = _grads(kernels, q, k, v, sink, dout, dlse)
+    ref_out, ref_lse, ref_grads = _grads(cpu, q, k, v, sink, dout, dlse)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_three_way("out", out, ref_out, gold_out)
+    err, err_ref = (lse.double() - gold_lse).abs().max(), (ref_lse.double() - gold_lse).abs().max()
+    assert err <= 2 * err_ref + 1e-5, f"lse: {float(err):.3e} vs reference {float(err_ref):.3e}"
+    for name, got, ref, gold in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3], gold_grads[:3]):
+        assert_three_way(name, got, ref, gold)
+    # dsink sums a float32 term over every row: its error is the low-precision out's, as the reference's.
+    eps = torch.finfo(dtype).eps
+    err, err_ref = (grads[3].double() - gold_grads[3]).abs(), (ref_grads[3].double() - gold_grads[3]).abs()
+    assert (err <= 2 * err_ref + eps * gold_grads[3].abs() + 1e-5).all(), f"dsink {err} vs reference {err_ref}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Front-ends
+
+
+def test_flex_flash_attn_func_sink():
+    q, k, v, sink, _, _ = _inputs(19, 23, 4, 2, 16, 16, 2, torch.bfloat16, seed=4)
+    qr, kr, mt = _ranges([(0, 19, 0, 23, CAUSAL), (4, 12, 0, 6, FULL)])
+    want = flashrange.range_attention(q, k, v, qr, kr, mt, sink=sink)
+    got = flashrange.flex_flash_attn_func(q, k, v, qr, kr, mt, sink=sink, sink_layout="sh")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(NotImplementedError, match=r"sink_layout='sh' only"):
+        flashrange.flex_flash_attn_func(q, k, v, qr, kr, mt, sink=sink[None].expand(19, 2, 4), sink_layout="ssh")
+    with pytest.raises(ValueError, match=r"sink_layout must be one of 'sh', 'ssh', 'shd', got 'hs'"):
+        flashrange.flex_flash_attn_func(q, k, v, qr, kr, mt, sink=sink, sink_layout="hs")
+    with pytest.raises(ValueError, match=r"sink must have shape \(S_sink, Hq\) = \(S_sink >= 1, 4\).*got \(2, 3\)"):
+        flashrange.flex_flash_attn_func(q, k, v, qr, kr, mt, sink=sink[:, :3])
+
+
+def test_flash_attn_func_learnable_sink():
+    """FA4's ``learnable_sink`` `(Hq,)` on padded batches (causal, Sq != Sk), and MagiAttention's ``sink``."""
+    B, Sq, Sk, Hq, Hkv, D = 2, 7, 9, 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, Sq, Hq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Sk, Hkv, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Sk, Hkv, D, generator=g, dtype=torch.float64)
+    learnable = torch.randn(Hq, generator=g, dtype=torch.float64)
+    out, lse = flashrange.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, learnable_sink=learnable)
+    counts = fa3_window_counts(Sq, Sk, causal=True)
+    for b in range(B):
+        gold_out, gold_lse = golden_sink_attention(q[b], k[b], v[b], counts, learnable[None])
+        assert (out[b] - gold_out).abs().max() < 1e-12
+        assert (lse[b] - gold_lse.t()).abs().max() < 1e-12
+    same = flashrange.flash_attn_func(q, k, v, causal=True, sink=learnable[None])
+    assert torch.equal(same, out)
+    with pytest.raises(ValueError, match=r"learnable_sink must have shape \(Hq,\) = \(4,\).*got \(1, 4\)"):
+        flashrange.flash_attn_func(q, k, v, learnable_sink=learnable[None])
+    with pytest.raises(ValueError, match=r"not both"):
+        flashrange.flash_attn_func(q, k, v, learnable_sink=learnable, sink=learnable[None])
+
+
+def test_flash_attn_varlen_func_sink():
+    """Packed documents: every row of every document sees the same per-head sinks; seqused rows get lse = L."""
+    cu = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+    T, Hq, D = 20, 2, 8
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(T, Hq, D, generator=g, dtype=torch.float64) for _ in range(3))
+    sink = torch.randn(3, Hq, generator=g, dtype=torch.float64)
+    out, lse = flashrange.flash_attn_varlen_func(
+        q, k, v, cu, cu, causal=True, return_attn_probs=True, sink=sink, seqused_q=torch.tensor([5, 4, 8]),
+    )
+    rows = [(0, 5, 0, 5, CAUSAL), (5, 9, 5, 12, CAUSAL), (12, 20, 12, 20, CAUSAL)]
+    gold_out, gold_lse = golden_sink_attention(q, k, v, dense_counts(*_ranges(rows), T, T), sink)
+    assert (out - gold_out).abs().max() < 1e-12 and (lse - gold_lse.t()).abs().max() < 1e-12
+    assert (lse[:, 9:12] - torch.logsumexp(sink, 0)[:, None]).abs().max() < 1e-14
+    learnable = sink[0]
+    got = flashrange.flash_attn_varlen_func(q, k, v, cu, cu, learnable_sink=learnable)
+    assert torch.equal(got, flashrange.flash_attn_varlen_func(q, k, v, cu, cu, sink=learnable[None]))
+
+
+@pytest.mark.parametrize(
+    "sink, error, match",
+    [
+        pytest.param([[0.0, 1.0]], TypeError, r"sink must be a torch.Tensor of shape \(S_sink, Hq\)", id="list"),
+        pytest.param(torch.zeros(2), ValueError, r"sink must have shape \(S_sink, Hq\).*got \(2,\)", id="1d"),
+        pytest.param(torch.zeros(0, 2), ValueError, r"S_sink >= 1.*got \(0, 2\)", id="no-sinks"),
+        pytest.param(torch.zeros(1, 2, dtype=torch.int32), ValueError, r"sink must be a floating-point", id="int"),
+        pytest.param(torch.zeros(1, 2, device="meta"), ValueError, r"sink is on meta but q is on cpu", id="device"),
+    ],
+)
+def test_sink_errors(sink, error, match):
+    q = torch.randn(5, 2, 8)
+    qr, kr, mt = _ranges([(0, 5, 0, 5, CAUSAL)])
+    with pytest.raises(error, match=match):
+        flashrange.range_attention(q, q, q, qr, kr, mt, sink=sink)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+class _SinkBlock(nn.Module):
+    """qkv projection -> range attention with learnable sinks -> out projection (GPT-OSS style)."""
+
+    def __init__(self, dim=16, hq=4, hkv=2, hd=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hq, self.hkv, self.hd = hq, hkv, hd
+        self.qkv = nn.Linear(dim, (hq + 2 * hkv) * hd)
+        self.proj = nn.Linear(hq * hd, dim)
+        self.sinks = nn.Parameter(torch.randn(1, hq))
+
+    def forward(self, x, q_ranges, k_ranges, mask_types):
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split([self.hq * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+        out, lse = flashrange.range_attention(
+            q.view(T, self.hq, self.hd), k.view(T, self.hkv, self.hd), v.view(T, self.hkv, self.hd),
+            q_ranges, k_ranges, mask_types, sink=self.sinks,
+        )
+        return self.proj(out.reshape(T, -1)), lse
+
+
+def test_compiled_training_step_with_sinks():
+    """fullgraph=True (no graph break), the same loss and gradients as eager, sinks included."""
+    torch._dynamo.reset()
+    model = _SinkBlock()
+    x = torch.randn(19, 16, generator=torch.Generator().manual_seed(7))
+    qr, kr, mt = _ranges([(0, 8, 0, 8, CAUSAL), (8, 17, 8, 17, CAUSAL), (0, 0, 0, 0, FULL)])  # rows 17, 18 uncovered
+
+    def loss_fn(x, qr, kr, mt):
+        y, lse = model(x, qr, kr, mt)
+        return y.square().mean() + lse.mean()
+
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    losses, grads = [], []
+    for fn in (loss_fn, compiled):
+        model.zero_grad()
+        loss = fn(x, qr, kr, mt)
+        loss.backward()  # through the compiled graph's backward
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(losses[1], losses[0])
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert grads[0][-1].abs().sum() > 0  # the sinks learn
+    torch._dynamo.reset()
