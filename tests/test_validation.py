@@ -246,12 +246,12 @@ def test_flash_attn_varlen_func_errors(call, message):
 def test_flex_flash_attn_func_errors():
     q = torch.randn(6, 2, 8)
     qr = _t([[0, 6]])
-    with pytest.raises(NotImplementedError, match=r"does not implement sink=.*default \(None\)"):
-        flex_flash_attn_func(q, q, q, qr, qr, sink=torch.zeros(1, 2))
-    with pytest.raises(NotImplementedError, match=r"does not implement index_sparse_indices="):
+    with pytest.raises(NotImplementedError, match=r"does not implement index_sparse_indices=.*default \(None\)"):
         flex_flash_attn_func(q, q, q, qr, qr, index_sparse_indices=torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match=r"return_max_logits=True"):
-        flex_flash_attn_func(q, q, q, qr, qr, return_max_logits=True)
+    with pytest.raises(NotImplementedError, match=r"does not implement block_sparse=True"):
+        flex_flash_attn_func(q, q, q, qr, qr, block_sparse=True)
+    with pytest.raises(NotImplementedError, match=r"does not implement return_dtype=torch\.float32"):
+        flex_flash_attn_func(q, q, q, qr, qr, return_dtype=torch.float32)
     with pytest.raises(TypeError, match=r"attn_type_map must be an int32 tensor of shape \(S,\), a list of ints or None"):
         flex_flash_attn_func(q, q, q, qr, qr, 6, 6, "causal")
     with pytest.raises(ValueError, match=r"q_ranges must be an int32 tensor of shape \(S, 2\)"):
@@ -418,7 +418,8 @@ def _fake_cuda(*shape, dtype=torch.bfloat16):
     "D, Dv, message",
     [
         pytest.param(320, 320, r"got D=320, Dv=320", id="D320"),
-        pytest.param(64, 384, r"got D=64, Dv=384", id="Dv384"),
+        pytest.param(128, 384, r"got D=128, Dv=384", id="D128-Dv384"),
+        pytest.param(64, 640, r"got D=64, Dv=640", id="D64-Dv640"),
         pytest.param(512, 64, r"got D=512, Dv=64", id="D512"),
     ],
 )
@@ -443,6 +444,7 @@ def test_head_dim_limit_boundaries():
     from flashrange.validation import check_qkv
 
     check_qkv(_fake_cuda(3, 2, MAX_HEAD_DIM), _fake_cuda(3, 2, MAX_HEAD_DIM), _fake_cuda(3, 2, MAX_HEAD_DIM))
+    check_qkv(_fake_cuda(3, 2, 64), _fake_cuda(3, 2, 64), _fake_cuda(3, 2, 512))  # FA3's wide values
     # float64 runs the reference on any device, any head dim; so does the CPU.
     big = [_fake_cuda(3, 2, 320, dtype=torch.float64) for _ in range(3)]
     check_qkv(*big)
