@@ -413,6 +413,9 @@ def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_
             # TMA needs 16-byte aligned rows; fp32 keeps to small pointer tiles.
             if c.use_tma and (head_dim * es % 16 or head_dim_v * es % 16):
                 continue
+            # A TMA box spans at most 256 elements per dimension (wide values: pointers only).
+            if c.use_tma and max(bd, bdv) > 256:
+                continue
             if es == 4 and (c.use_tma or c.BLOCK_M * c.BLOCK_N > 64 * 64):
                 continue
             smem = (c.BLOCK_M * bd + max(c.num_stages, 1) * c.BLOCK_N * (bd + bdv)) * es
