@@ -182,7 +182,8 @@ def _fa_sink(learnable_sink, sink, Hq):
             "(S_sink, Hq)), not both"
         )
     if not isinstance(learnable_sink, torch.Tensor) or learnable_sink.dim() != 1 or learnable_sink.shape[0] != Hq:
-        shape = tuple(learnable_sink.shape) if isinstance(learnable_sink, torch.Tensor) else type(learnable_sink).__name__
+        is_tensor = isinstance(learnable_sink, torch.Tensor)
+        shape = tuple(learnable_sink.shape) if is_tensor else type(learnable_sink).__name__
         raise ValueError(f"learnable_sink must have shape (Hq,) = ({Hq},) as in FlashAttention-4, got {shape}")
     return learnable_sink.view(1, Hq), "learnable_sink"
 

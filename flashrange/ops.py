@@ -285,7 +285,7 @@ class _EagerAttentionMaxLogits(_EagerAttention):
 
 
 def fwd_eager(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap, return_max_logits=False):
-    """``flashrange::fwd`` (``fwd_max_logits`` when asked) with its autograd, called directly (see :func:`eager_cuda`)."""
+    """``flashrange::fwd`` (``fwd_max_logits`` if asked) with its autograd, called directly (see :func:`eager_cuda`)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         fn = _EagerAttentionMaxLogits if return_max_logits else _EagerAttention
         return fn.apply(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, *plan)

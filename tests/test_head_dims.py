@@ -175,5 +175,6 @@ def test_default_paths_unchanged_for_existing_head_dims():
     """The defaults of head dims that worked before stay what they were (bitwise-stable results)."""
     assert kfwd._default_config(64, 64, torch.float32, "cuda", False, -1).name == "ptr_m64_n32_w4_s2"
     assert kfwd._default_config(256, 256, torch.float16, "cuda", False, -1).name == "ptr_m128_n64_w8_s2"
-    assert kbwd.default_config(128, 128, torch.bfloat16, torch.device("cuda")) == kbwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
-    assert kbwd.default_config(256, 256, torch.bfloat16, torch.device("cuda")) == kbwd.BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
+    cuda = torch.device("cuda")
+    assert kbwd.default_config(128, 128, torch.bfloat16, cuda) == kbwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
+    assert kbwd.default_config(256, 256, torch.bfloat16, cuda) == kbwd.BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)

@@ -200,3 +200,28 @@ def test_opcheck_fwd_max_logits(requires_grad, dtype):
     torch.library.opcheck(
         torch.ops.flashrange.fwd_max_logits.default, (q, k, v, qr, kr, mt, plan, 0.3, 2.0), test_utils=ALL_TESTS
     )
+
+
+def test_eager_function_plumbing_on_the_interpreter():
+    """``ops.fwd_eager(..., return_max_logits=True)`` (the autograd function eager CUDA calls use) runs the Triton
+    kernels directly; under the interpreter it takes CPU tensors: same bits as the launchers, max logits without
+    gradient, and the backward of ``out`` and ``lse`` unchanged."""
+    from flashrange import ops
+    from flashrange.kernels.backward import range_attention_backward_triton
+
+    q, k, v = _qkv(21, 27, 4, 2, 16, torch.float16, seed=11)
+    qr, kr, mt = _ranges([(0, 21, 0, 27, CAUSAL), (0, 0, 0, 0, FULL), (3, 9, 0, 12, FULL)])
+    plan = flashrange.plan_mask(qr, kr, mt, 21, 27)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse, ml = ops.fwd_eager(*leaves, qr, kr, mt, plan, 0.25, 0.0, True)
+    assert not ml.requires_grad and out.requires_grad
+    want = range_attention_forward_triton(q, k, v, qr, kr, mt, 0.25, plan=plan, return_max_logits=True)
+    for a, b in zip((out, lse, ml), want):
+        assert torch.equal(a.detach(), b)
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    grads = torch.autograd.grad((out.float() * dout.float()).sum() + (lse * dlse).sum(), leaves)
+    want = range_attention_backward_triton(dout, q, k, v, want[0], want[1], qr, kr, mt, 0.25, 0.0, dlse, plan=plan)
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)

@@ -169,7 +169,7 @@ def test_minus_inf_sinks_are_no_sinks():
 
 
 def test_sink_dtypes():
-    """float32 is the usual sink dtype; bf16 / fp16 sinks (FA4 takes them) are upcast and get gradients in their dtype."""
+    """float32 is the usual sink dtype; bf16 / fp16 sinks (FA4 takes them) are upcast, their gradients cast back."""
     q, k, v, sink, _, _ = _inputs(11, 11, 2, 2, 8, 8, 1, torch.bfloat16, seed=3)
     qr, kr, mt = _ranges([(0, 11, 0, 11, CAUSAL)])
     want_out, want_lse = flashrange.range_attention(q, k, v, qr, kr, mt, sink=sink.to(torch.bfloat16).float())
