@@ -206,7 +206,10 @@ def canonical_slices(q_ranges, k_ranges, mask_types, Tq, Tk, *, transpose=False)
     types = mask_types.reshape(-1).long()
     qs, qe = qr[:, 0].clamp(0, Tq), qr[:, 1].clamp(0, Tq)
     ks, ke = kr[:, 0].clamp(0, Tk), kr[:, 1].clamp(0, Tk)
-    valid = (qe > qs) & (ke > ks) & (types >= FULL) & (types <= BI_CAUSAL)
+    # A BI_CAUSAL band with Lq > Lk covers no cell: never visited (its key span
+    # would still load values, and 0 * NaN must not reach a covered row).
+    empty_band = (types == BI_CAUSAL) & (qe - qs > ke - ks)
+    valid = (qe > qs) & (ke > ks) & (types >= FULL) & (types <= BI_CAUSAL) & ~empty_band
     ms, me, ns, ne = (ks, ke, qs, qe) if transpose else (qs, qe, ks, ke)
     big = torch.full_like(ms, 1 << 62)
     primary = torch.where(valid, (ms << 32) | ns, big)

@@ -221,11 +221,6 @@ def test_kernels_uncovered_nan_inf_stay_out(which):
     assert torch.count_nonzero(got[3][unpoisoned]) == 0, "dk of uncovered keys with a finite value"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel bug: the dK/dV kernel loads v for every key of its block, so dS^T = P^T * (dP^T - delta) is "
-    "0 * NaN = NaN for a key no slice reads whose value is NaN/Inf (backward._dkdv_tiles, masked branch: "
-    "pT is zeroed by the cell mask but dsT is not); its dK becomes NaN instead of 0 (the reference: 0), "
-    "which reaches the weights of a k projection through padding tokens"))
 def test_kernels_dk_of_an_uncovered_key_with_nan_value():
     pytest.importorskip("triton")
     q, k, v = _qkv(T_NAN, T_NAN, seed=6)
@@ -260,21 +255,15 @@ def test_reference_nan_under_an_empty_band_stays_out(which):
         assert torch.equal(a[rows], b[rows]), label
 
 
-_BAND_BUG = (
-    "kernel bug: a BI_CAUSAL slice with Lq > Lk covers nothing, yet the kernels walk its key span "
-    "([ks, ke) for a block holding all its rows: common.key_span / query_span and the forward's inlined copy) "
-    "and multiply masked-out zeros by the loaded values: 0 * NaN reaches covered rows "
-    "(forward p @ v in forward._tile_step; dq and dk in backward._dq_tiles / _dkdv_tiles)"
-)
 
 
 @pytest.mark.parametrize(
     "which, part",
     [
         pytest.param("k", "fwd", id="k-forward"),
-        pytest.param("v", "fwd", id="v-forward", marks=pytest.mark.xfail(strict=True, reason=_BAND_BUG)),
-        pytest.param("k", "bwd", id="k-backward", marks=pytest.mark.xfail(strict=True, reason=_BAND_BUG)),
-        pytest.param("v", "bwd", id="v-backward", marks=pytest.mark.xfail(strict=True, reason=_BAND_BUG)),
+        pytest.param("v", "fwd", id="v-forward"),
+        pytest.param("k", "bwd", id="k-backward"),
+        pytest.param("v", "bwd", id="v-backward"),
     ],
 )
 def test_kernels_nan_under_an_empty_band_stays_out(which, part):
@@ -308,10 +297,6 @@ def test_nan_in_a_covered_key_reaches_its_rows(impl):
         assert torch.isnan(lse[0:10]).all() and not torch.isnan(lse[10:]).any()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel bug: the forward writes lse = -inf for a row whose softmax sum is NaN (forward.py, end of "
-    "_range_attn_fwd_kernel: covered = l_i > 0.0 is False for NaN), while out is NaN; the reference "
-    "(and SDPA) give lse = NaN there"))
 def test_kernels_lse_of_a_nan_row_is_nan():
     pytest.importorskip("triton")
     q, k, v = _qkv(T_NAN, T_NAN, seed=9)

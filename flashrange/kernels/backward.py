@@ -171,6 +171,10 @@ def _dkdv_tiles(
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - th * th)
+        if IS_MASKED:
+            # A key of the block that these rows do not read may hold NaN in v (dpT):
+            # 0 * NaN must not reach its dK.
+            dsT = tl.where(cell, dsT, 0.0)
         dk += tl.dot(_cast(dsT, q.dtype, IS_BF16_EMULATED), q, input_precision=DOT_PRECISION)
     return dk, dv
 

@@ -273,7 +273,8 @@ def _range_attn_fwd_kernel(
                 qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
                 HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, True, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
 
-    covered = l_i > 0.0
+    # l = 0 exactly on rows no slice covers; a NaN l (NaN in a covered input) stays NaN.
+    covered = l_i != 0.0
     l_safe = tl.where(covered, l_i, 1.0)
     out = acc / l_safe[:, None]
     if IS_BF16_EMULATED:

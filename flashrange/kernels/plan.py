@@ -51,7 +51,9 @@ def _load_slice(qr_ptr, kr_ptr, mt_ptr, offs, mask_s, Tq, Tk):
     qe = tl.minimum(tl.maximum(qe, 0), Tq)
     ks = tl.minimum(tl.maximum(ks, 0), Tk)
     ke = tl.minimum(tl.maximum(ke, 0), Tk)
-    valid = mask_s & (qe > qs) & (ke > ks) & (mt >= 0) & (mt <= 3)
+    # A BI_CAUSAL band with Lq > Lk covers no cell (flashrange.plan.canonical_slices).
+    empty_band = (mt == 3) & (qe - qs > ke - ks)
+    valid = mask_s & (qe > qs) & (ke > ks) & (mt >= 0) & (mt <= 3) & ~empty_band
     return qs, qe, ks, ke, mt, valid
 
 
