@@ -368,3 +368,49 @@ def test_compiled_training_step_with_sinks():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert grads[0][-1].abs().sum() > 0  # the sinks learn
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers: GPT-OSS passes its sinks as ``s_aux``
+
+
+def test_gpt_oss_sinks_through_the_transformers_backend(monkeypatch):
+    """A tiny GPT-OSS (sliding and full layers, left padding) gives eager attention's logits and sink gradients."""
+    pytest.importorskip("transformers")
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss")
+    import flashrange.integrations.transformers as backend  # registers "flashrange"
+
+    sinks_seen = []
+
+    def counting(*args, sink=None, **kwargs):
+        sinks_seen.append(sink is not None)
+        return flashrange.interface.attention(*args, sink=sink, **kwargs)
+
+    monkeypatch.setattr(backend, "attention", counting)
+
+    cfg = gpt_oss.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = gpt_oss.GptOssForCausalLM(cfg).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    results = {}
+    for impl in ("eager", "flashrange"):
+        # Set on the config: set_attn_implementation("flashrange") on a model that lists compatible
+        # flash kernels (GPT-OSS) swaps any name containing "flash" for one of those kernels.
+        model.config._attn_implementation = impl
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits[mask.bool()].square().mean().backward()
+        results[impl] = logits.detach()[mask.bool()], [layer.self_attn.sinks.grad.clone() for layer in model.model.layers]
+    assert sinks_seen == [True] * 2  # one call per layer, each with the layer's sinks
+    torch.testing.assert_close(results["flashrange"][0], results["eager"][0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(results["flashrange"][1], results["eager"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -53,11 +53,13 @@ What each layer gets (``S_q`` queries, ``S_k`` keys per row, ``B`` rows):
 - **Bidirectional** layers (encoders, ``is_causal=False``, cross-attention):
   every query of a row attends the row's unpadded keys (``FULL`` slices).
 - GQA/MQA, the module's ``scaling`` and ``softcap`` (Gemma-2's
-  ``attn_logit_softcapping``) go to the op as they are.
+  ``attn_logit_softcapping``) go to the op as they are; GPT-OSS's learnable
+  attention sinks (``s_aux``, one logit per query head) join every row's
+  softmax denominator (``sink=`` of :func:`flashrange.range_attention`).
 
 Unsupported inputs raise ``ValueError`` / ``NotImplementedError`` with what
 to do instead: dense 4-D masks or additive biases, attention dropout > 0,
-``output_attentions=True``, attention sinks (``s_aux``), position biases,
+``output_attentions=True``, position biases,
 masks with holes (checked in strict mode, ``FLASHRANGE_STRICT=1``), static KV caches, chunked attention,
 bidirectional sliding windows and custom mask overlays (``or_mask_function``
 or ``and_mask_function``, e.g. bidirectional image tokens).
@@ -378,8 +380,6 @@ def _check_supported(dropout, attention_mask, kwargs):
             f"the flashrange backend has no attention dropout (got p={dropout} in training); set the "
             "config's attention_dropout to 0.0, or use attn_implementation='sdpa'"
         )
-    if kwargs.get("s_aux", None) is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by the flashrange backend")
     if kwargs.get("position_bias", None) is not None:
         raise NotImplementedError("additive position biases are not supported by the flashrange backend")
     if isinstance(attention_mask, PlannedMask):
@@ -391,6 +391,16 @@ def _check_supported(dropout, attention_mask, kwargs):
             "ranges from the 2-D padding mask (B, S), position_ids or cu_seq_lens_q/k. Pass those instead "
             "of a 4-D mask or additive bias, or use attn_implementation='sdpa'"
         )
+
+
+def _sink_logits(s_aux, Hq):
+    """GPT-OSS's ``s_aux`` (one sink logit per query head, ``(Hq,)``) as flashrange's ``sink`` ``(1, Hq)``."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or s_aux.numel() != Hq:
+        shape = tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise ValueError(f"s_aux (attention sinks) must hold one logit per query head, ({Hq},), got {shape}")
+    return s_aux.reshape(1, Hq)
 
 
 def _fits(planned, device, B, Sq, Sk, causal, sliding_window):
@@ -438,6 +448,7 @@ def flashrange_attention_forward(
     k = key.transpose(1, 2).reshape(B * Sk, Hkv, D)
     v = value.transpose(1, 2).reshape(B * Sk, Hkv, value.shape[-1])
     softcap = 0.0 if softcap is None else softcap
+    sink = _sink_logits(kwargs.get("s_aux", None), Hq)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q", None), kwargs.get("cu_seq_lens_k", None)
     planned = attention_mask if isinstance(attention_mask, PlannedMask) else None
     if planned is not None and cu_q is None and _fits(planned, query.device, B, Sq, Sk, causal, sliding_window):
@@ -445,7 +456,7 @@ def flashrange_attention_forward(
         # every layer of this type. They are ours, so there is nothing to check strictly.
         out, _ = attention(
             q, k, v, planned.q_ranges, planned.k_ranges, planned.mask_types, plan=planned.plan,
-            softmax_scale=scaling, softcap=softcap, strict=False,
+            softmax_scale=scaling, softcap=softcap, strict=False, sink=sink,
         )
         return out.view(B, Sq, Hq, v.shape[-1]), None
     # This layer builds (and plans) its own ranges: no plan, one made for another
@@ -470,7 +481,7 @@ def flashrange_attention_forward(
     # values are checked in strict mode (FLASHRANGE_STRICT=1), like every range.
     out, _ = attention(
         q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=scaling, softcap=softcap,
-        strict=None if (padding is None and causal and cu_q is not None) else False,
+        strict=None if (padding is None and causal and cu_q is not None) else False, sink=sink,
     )
     return out.view(B, Sq, Hq, v.shape[-1]), None
 
