@@ -590,6 +590,58 @@ class RangeMask:
             prev_b, prev_runs = b, runs
         return cls._from_rows(rows, device)
 
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, *, device=None, chunk_rows: int | None = None) -> "RangeMask":
+        """Few non-overlapping slices covering exactly the ``True`` cells of a bool ``(Tq, Tk)`` mask.
+
+        ``True`` = attend (SDPA's boolean ``attn_mask``). Each row's covered
+        keys are cut into runs; runs of consecutive rows whose start and end
+        move by 0 or 1 key per row become one FULL, CAUSAL, INV_CAUSAL or
+        BI_CAUSAL slice, so ``to_dense(Tq, Tk)`` of the result equals
+        ``mask``. Vectorised on the mask's device; the result goes to
+        ``device`` (default: the mask's). See
+        :func:`flashrange.convert.from_dense`.
+
+        ::
+
+            mask (prefix-LM)       slices
+            # # . . .              [0, 2) x [0, 2) FULL
+            # # . . .              [2, 5) x [0, 5) CAUSAL
+            # # # . .
+            # # # # .
+            # # # # #
+        """
+        from .convert import from_dense
+
+        return from_dense(mask, device=device, chunk_rows=chunk_rows)
+
+    @classmethod
+    def from_mask_mod(cls, mask_mod, Tq: int | None = None, Tk: int | None = None, *, device=None,
+                      chunk_rows: int | None = None) -> "RangeMask":
+        """Slices of a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` or ``BlockMask``, exact per token.
+
+        Evaluated at ``b = h = 0``, a chunk of rows at a time (never the
+        whole dense mask), by broadcasting ``q_idx (C, 1)`` against
+        ``kv_idx (1, Tk)``, or under ``torch.vmap`` as FlexAttention's
+        ``create_mask`` when that fails. Gives the same slices as
+        :meth:`from_dense` of the dense evaluation. ``device`` is where the
+        mask_mod runs (that of the tensors it closes over) and where the
+        result lives. See :func:`flashrange.convert.from_mask_mod`.
+
+        ::
+
+            mask_mod = lambda b, h, q, kv: (kv <= q) & (q - kv < 3)   Tq = Tk = 6
+            # . . . . .            [0, 3) x [0, 3) CAUSAL
+            # # . . . .            [3, 6) x [1, 6) BI_CAUSAL
+            # # # . . .
+            . # # # . .
+            . . # # # .
+            . . . # # #
+        """
+        from .convert import from_mask_mod
+
+        return from_mask_mod(mask_mod, Tq, Tk, device=device, chunk_rows=chunk_rows)
+
 
 def _lengths(Tq, Tk):
     Tq = int(Tq)
