@@ -2,8 +2,9 @@
 
 Users arriving from SDPA (a boolean ``attn_mask``) or from FlexAttention (a
 ``mask_mod`` function, or the ``BlockMask`` built from it) should not have to
-rewrite their mask as ranges by hand. Both converters here go through one
-path:
+rewrite their mask as ranges by hand. The converters here return the three
+range tensors (``RangeMask.from_dense`` / ``RangeMask.from_mask_mod`` wrap
+them in a mask) and go through one path:
 
 1. each row's covered keys are cut into **runs** (maximal intervals of
    ``True``), a chunk of rows at a time, with vectorised torch ops on the
@@ -25,7 +26,7 @@ builders would produce. Runs are never split, so a mask whose best cover
 splits a row's run between two slices may get more slices than the best.
 
 Rows are evaluated in chunks, and the runs do not depend on the chunking, so
-:func:`from_mask_mod` gives the same slices as :func:`from_dense` on the full
+``RangeMask.from_mask_mod`` gives the same slices as ``RangeMask.from_dense`` on the full
 dense mask without ever holding it.
 """
 
@@ -34,9 +35,8 @@ from __future__ import annotations
 import torch
 
 from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, MAX_TOKENS
-from .mask import RangeMask
 
-__all__ = ["from_dense", "from_mask_mod"]
+__all__ = ["dense_to_ranges", "mask_mod_to_ranges"]
 
 # Cells per chunk of rows. Bounds the booleans of one chunk and, more to the
 # point, the int64 temporaries that FlexAttention-style mask_mods create
@@ -206,15 +206,15 @@ def _check_sizes(Tq: int, Tk: int):
             raise ValueError(f"{name} must be in [0, {MAX_TOKENS}] (int32 ranges), got {t}")
 
 
-def _finish(runs, Tq: int, Tk: int, device) -> RangeMask:
+def _finish(runs, Tq: int, Tk: int, device):
     rows, lo, hi = (torch.cat(parts) for parts in zip(*runs))
-    return RangeMask(*_slices_from_runs(rows, lo, hi, Tq, Tk), device=device)
+    return tuple(t.to(device) for t in _slices_from_runs(rows, lo, hi, Tq, Tk))
 
 
 # -------------------------------------------------------------------- dense
 
 
-def from_dense(mask: torch.Tensor, *, device=None, chunk_rows: int | None = None) -> RangeMask:
+def dense_to_ranges(mask: torch.Tensor, *, device=None, chunk_rows: int | None = None):
     """Slices covering exactly the ``True`` cells of a dense boolean mask.
 
     ``True`` means "query ``i`` attends key ``j``", as in SDPA's boolean
@@ -229,9 +229,9 @@ def from_dense(mask: torch.Tensor, *, device=None, chunk_rows: int | None = None
             the temporary memory only, never the result.
 
     Returns:
-        A :class:`~flashrange.mask.RangeMask` with non-overlapping, non-empty
+        ``(q_ranges, k_ranges, mask_types)`` int32 on ``device``: non-overlapping, non-empty
         slices ordered by query start, then key start, such that
-        ``result.to_dense(Tq, Tk)`` equals ``mask``.
+        ``RangeMask(*result).to_dense(Tq, Tk)`` equals ``mask``.
 
     Raises:
         ValueError: ``mask`` is not a bool tensor of two dimensions.
@@ -359,8 +359,8 @@ class _Evaluator:
         return self._check(out, C, "under torch.vmap")
 
 
-def from_mask_mod(mask_mod, Tq: int | None = None, Tk: int | None = None, *, device=None,
-                  chunk_rows: int | None = None) -> RangeMask:
+def mask_mod_to_ranges(mask_mod, Tq: int | None = None, Tk: int | None = None, *, device=None,
+                       chunk_rows: int | None = None):
     """Slices covering exactly the cells a FlexAttention ``mask_mod`` (or ``BlockMask``) allows.
 
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` is evaluated at every token
@@ -369,7 +369,7 @@ def from_mask_mod(mask_mod, Tq: int | None = None, Tk: int | None = None, *, dev
     masks are shared by every head; convert one mask per batch entry
     yourself). Rows are evaluated a chunk at a time, so the dense
     ``Tq x Tk`` mask is never held; the slices are the same as
-    ``from_dense`` of the dense evaluation.
+    :func:`dense_to_ranges` of the dense evaluation.
 
     The mask_mod is first called once per chunk with ``q_idx`` of shape
     ``(C, 1)`` and ``kv_idx`` of shape ``(1, Tk)`` (int64): mask_mods written
@@ -397,7 +397,7 @@ def from_mask_mod(mask_mod, Tq: int | None = None, Tk: int | None = None, *, dev
             the temporary memory only, never the result.
 
     Returns:
-        A :class:`~flashrange.mask.RangeMask` with non-overlapping, non-empty
+        ``(q_ranges, k_ranges, mask_types)`` int32 on ``device``: non-overlapping, non-empty
         slices ordered by query start, then key start.
 
     Raises:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, TYPE_NAMES
+from .convert import dense_to_ranges, mask_mod_to_ranges
 from .interface import plan_mask
 from .reference import coverage_counts
 from .validation import check_range_values, check_window
@@ -600,7 +601,7 @@ class RangeMask:
         BI_CAUSAL slice, so ``to_dense(Tq, Tk)`` of the result equals
         ``mask``. Vectorised on the mask's device; the result goes to
         ``device`` (default: the mask's). See
-        :func:`flashrange.convert.from_dense`.
+        :func:`flashrange.convert.dense_to_ranges`.
 
         ::
 
@@ -611,9 +612,7 @@ class RangeMask:
             # # # # .
             # # # # #
         """
-        from .convert import from_dense
-
-        return from_dense(mask, device=device, chunk_rows=chunk_rows)
+        return cls(*dense_to_ranges(mask, device=device, chunk_rows=chunk_rows))
 
     @classmethod
     def from_mask_mod(cls, mask_mod, Tq: int | None = None, Tk: int | None = None, *, device=None,
@@ -626,7 +625,7 @@ class RangeMask:
         ``create_mask`` when that fails. Gives the same slices as
         :meth:`from_dense` of the dense evaluation. ``device`` is where the
         mask_mod runs (that of the tensors it closes over) and where the
-        result lives. See :func:`flashrange.convert.from_mask_mod`.
+        result lives. See :func:`flashrange.convert.mask_mod_to_ranges`.
 
         ::
 
@@ -638,9 +637,7 @@ class RangeMask:
             . . # # # .
             . . . # # #
         """
-        from .convert import from_mask_mod
-
-        return from_mask_mod(mask_mod, Tq, Tk, device=device, chunk_rows=chunk_rows)
+        return cls(*mask_mod_to_ranges(mask_mod, Tq, Tk, device=device, chunk_rows=chunk_rows))
 
 
 def _lengths(Tq, Tk):

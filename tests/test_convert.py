@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from flashrange import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, RangeMask
-from flashrange.convert import from_dense, from_mask_mod
+
+from_dense = RangeMask.from_dense
+from_mask_mod = RangeMask.from_mask_mod
 
 
 def _check(result, dense):
