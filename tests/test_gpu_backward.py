@@ -185,10 +185,14 @@ def _op_args(Tq=97, Tk=83, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
 
 def test_opcheck_bwd_and_fwd_on_cuda():
     q, k, v, do, dlse, qr, kr, mt = _op_args()
-    out, lse = torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, 0.125, 0.0)
-    torch.library.opcheck(torch.ops.flashrange.bwd.default, (do, dlse, q, k, v, out, lse, qr, kr, mt, 0.125, 0.0))
+    plan = list(torch.ops.flashrange.plan(qr, kr, mt, q.shape[0], k.shape[0]))
+    torch.library.opcheck(torch.ops.flashrange.plan.default, (qr, kr, mt, q.shape[0], k.shape[0]))
+    out, lse = torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, plan, 0.125, 0.0)
+    torch.library.opcheck(
+        torch.ops.flashrange.bwd.default, (do, dlse, q, k, v, out, lse, qr, kr, mt, plan, 0.125, 0.0)
+    )
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.flashrange.fwd.default, (qg, kg, vg, qr, kr, mt, 0.125, 2.0))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (qg, kg, vg, qr, kr, mt, plan, 0.125, 2.0))
 
 
 def _loss(wq, wk, wv, x, qr, kr, mt, Hq, Hkv, D):
