@@ -2,7 +2,7 @@
 
 One home for these values: the reference, the plan, the kernels (as
 constexpr arguments), the front-ends, the scripts and the tests import them
-from here (docs/design.md, "Semantics").
+from here (docs/design.md §2).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``flashrange demo``: packed documents whose slice count changes every step, compiled once.
 
-The users' scenario (DESIGN §1): every step packs a new batch of documents of
+The users' scenario (docs/design.md §1): every step packs a new batch of documents of
 random lengths into one token stream, so the causal document mask has a
 different number of slices each step. The mask is padded with empty slices
 to a fixed capacity, so the compiled attention layer (``torch.compile`` over

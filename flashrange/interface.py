@@ -145,7 +145,7 @@ def range_attention(
     sink=None,
     return_max_logits=False,
 ):
-    """Attention over a mask written as ranges (docs/design.md, "Semantics").
+    """Attention over a mask written as ranges (docs/design.md §2).
 
     Args:
         q: `(Tq, Hq, D)`; k: `(Tk, Hkv, D)`; v: `(Tk, Hkv, Dv)`, with `Hq % Hkv == 0`.

@@ -1,6 +1,6 @@
 """``RangeMask``: a mask written as ranges, its builders, and tools to look at it.
 
-A mask is three int32 tensors (DESIGN §2): ``q_ranges (S, 2)``,
+A mask is three int32 tensors (docs/design.md §2): ``q_ranges (S, 2)``,
 ``k_ranges (S, 2)`` and ``mask_types (S,)``. Slice ``s`` is the rectangle
 ``[qs, qe) x [ks, ke)`` of the (query, key) plane, and its type says which
 cells of the rectangle it covers (``Lq = qe - qs``, ``Lk = ke - ks``,

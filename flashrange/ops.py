@@ -1,6 +1,6 @@
 """The ``flashrange`` torch.library ops: schema, kernels per device, fake impls, autograd.
 
-Three ops carry everything (docs/design.md, "Layers" and "Compile contract"):
+Three ops carry everything (docs/design.md §4, §7):
 
 - ``flashrange::plan(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan`` (8 int32 tensors)
 - ``flashrange::fwd(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap) -> (out, lse)``
@@ -203,17 +203,22 @@ def _setup_context(ctx, inputs, output):
     ctx.softcap = softcap
 
 
-def _backward(ctx, dout, dlse, *unused):
-    q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = ctx.saved_tensors
+def _gradients(bwd_fn, saved, dout, dlse, softmax_scale, softcap):
+    """``(dq, dk, dv)`` of one forward from its saved tensors, through ``bwd_fn`` (the op or its CUDA kernel)."""
+    q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = saved
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is None:
         dlse = torch.zeros_like(lse)
-    dq, dk, dv = bwd(
+    return bwd_fn(
         dout.contiguous(), dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
-        ctx.softmax_scale, ctx.softcap,
+        softmax_scale, softcap,
     )
-    return dq, dk, dv, None, None, None, [None] * len(plan_tensors), None, None
+
+
+def _backward(ctx, dout, dlse, *unused):
+    dq, dk, dv = _gradients(bwd, ctx.saved_tensors, dout, dlse, ctx.softmax_scale, ctx.softcap)
+    return dq, dk, dv, None, None, None, [None] * (len(ctx.saved_tensors) - 8), None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -257,16 +262,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, *unused):
-        q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        if dlse is None:
-            dlse = torch.zeros_like(lse)
-        dq, dk, dv = _bwd_cuda(
-            dout.contiguous(), dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
-            ctx.softmax_scale, ctx.softcap,
-        )
-        return (dq, dk, dv, None, None, None, None, None) + (None,) * len(plan_tensors)
+        dq, dk, dv = _gradients(_bwd_cuda, ctx.saved_tensors, dout, dlse, ctx.softmax_scale, ctx.softcap)
+        return (dq, dk, dv, None, None, None, None, None) + (None,) * (len(ctx.saved_tensors) - 8)
 
 
 class _EagerAttentionMaxLogits(_EagerAttention):

@@ -1,4 +1,4 @@
-"""The plan: device-side work lists for the kernels (docs/design.md, "The plan").
+"""The plan: device-side work lists for the kernels (docs/design.md §5).
 
 A :class:`RangePlan` is plain int32 tensors built from the slice tensors once
 per mask and reused by every call that uses the mask: the forward and the dQ

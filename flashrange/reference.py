@@ -1,4 +1,4 @@
-"""Reference implementation of range attention (DESIGN §2).
+"""Reference implementation of range attention (docs/design.md §2).
 
 Dumb and obviously right: float32 math in plain PyTorch, on any device
 (float64 math, and a float64 ``lse``, for float64 inputs, so that tests can

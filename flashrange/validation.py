@@ -1,4 +1,4 @@
-"""Input checks shared by every front-end (docs/design.md, "Validation").
+"""Input checks shared by every front-end (docs/design.md §8).
 
 Two kinds of checks:
 

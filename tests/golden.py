@@ -1,10 +1,10 @@
-"""Dense float64 definitions the tests compare against (DESIGN §6).
+"""Dense float64 definitions the tests compare against (docs/design.md §10).
 
 Nothing here imports flashrange: the goldens are written from the
 definitions, so a bug shared by the library's own helpers (``RangeMask.coverage``,
 ``reference.coverage_counts``) cannot hide in them.
 
-``dense_counts`` is the mask of DESIGN §2 written cell by cell from the
+``dense_counts`` is the mask of docs/design.md §2 written cell by cell from the
 per-type inequalities. ``dense_attention`` is softmax attention over a dense matrix of cover counts
 (a cell covered ``c`` times weighs ``c``, as a key that appears ``c`` times),
 written the plain way in float64 and differentiable with ``torch.autograd``.
@@ -40,12 +40,12 @@ def dense_attention(q, k, v, counts, softmax_scale=None, softcap=0.0):
     return out, lse
 
 
-# Mask-type codes of DESIGN §2 (MagiAttention's attn_type_map), written out here on purpose.
+# Mask-type codes of docs/design.md §2 (MagiAttention's attn_type_map), written out here on purpose.
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
 
 
 def dense_counts(q_ranges, k_ranges, mask_types, Tq, Tk):
-    """Int32 `(Tq, Tk)`: how many slices cover each cell, from the inequalities of DESIGN §2.
+    """Int32 `(Tq, Tk)`: how many slices cover each cell, from the inequalities of docs/design.md §2.
 
     Slice ``[qs, qe) x [ks, ke)`` (ranges clamped to ``[0, Tq]`` / ``[0, Tk]``
     first, as the kernels do) with ``Lq = qe - qs``, ``Lk = ke - ks``,
@@ -178,7 +178,7 @@ def three_way_errors(got, ref, golden):
 
 
 def assert_three_way(name, got, ref, golden):
-    """PyTorch's three-way rule, per row and per tensor (DESIGN §6).
+    """PyTorch's three-way rule, per row and per tensor (docs/design.md §10).
 
     ``golden``: float64 result; ``ref``: the reference run in the test dtype;
     ``got``: the candidate (same dtype as ``ref``). With ``eps`` of that dtype:

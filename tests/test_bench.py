@@ -1,4 +1,4 @@
-"""CPU checks of ``flashrange bench`` (DESIGN §7) and of the ``flashrange`` command line.
+"""CPU checks of ``flashrange bench`` (docs/design.md §11) and of the ``flashrange`` command line.
 
 The harness runs without a GPU at toy sizes (``--tiny``): flashrange's
 reference path and SDPA's math backend run and are compared with the

@@ -1,4 +1,4 @@
-"""The ``torch.compile`` contract on the CPU (DESIGN §5).
+"""The ``torch.compile`` contract on the CPU (docs/design.md §7).
 
 - Every front-end traces with ``fullgraph=True`` under inductor and
   ``aot_eager``: one graph, zero graph breaks, the ``flashrange::fwd`` op in

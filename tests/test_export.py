@@ -1,4 +1,4 @@
-"""``torch.export`` of a module that calls the ``flashrange`` op (DESIGN §5).
+"""``torch.export`` of a module that calls the ``flashrange`` op (docs/design.md §7).
 
 The exported program keeps ``flashrange::fwd`` as one node; running
 ``ep.module()`` forward and backward gives eager's results, also after a

@@ -1,6 +1,6 @@
 """The eager CUDA path (ops.fwd_eager / ops.plan_eager) equals the torch.library ops bit for bit.
 
-Eager calls on plain CUDA tensors skip the dispatcher (docs/design.md, "Layers");
+Eager calls on plain CUDA tensors skip the dispatcher (docs/design.md §4);
 traced calls use the ops. Both must run the same kernels on the same plan.
 """
 

@@ -1,4 +1,4 @@
-"""Inputs at the edges of the contract (DESIGN §2): empty slices anywhere, reversed ranges, zero-length
+"""Inputs at the edges of the contract (docs/design.md §2): empty slices anywhere, reversed ranges, zero-length
 tensors, and NaN/Inf in tokens that no slice covers.
 
 - An empty slice (``start == end``) is padding wherever it lies, even outside
@@ -229,7 +229,7 @@ def test_kernels_dk_of_an_uncovered_key_with_nan_value():
     assert torch.count_nonzero(got[3][~keys]) == 0
 
 
-# A BI_CAUSAL slice with Lq > Lk covers no cell (DESIGN §2: "empty when Lq > Lk"), so the keys of its
+# A BI_CAUSAL slice with Lq > Lk covers no cell (docs/design.md §2: "empty when Lq > Lk"), so the keys of its
 # rectangle that nothing else reads are uncovered tokens too; rows 0-19 are covered by the FULL slice.
 EMPTY_BAND = [(0, 20, 0, 10, FULL), (0, 20, 10, 15, BI_CAUSAL)]
 EMPTY_BAND_KEY = 12

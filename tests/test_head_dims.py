@@ -2,7 +2,7 @@
 
 On the CPU the Triton kernels run under the interpreter at small, odd sizes
 that still cross several tiles and reach masked and unmasked tiles; forward
-and backward follow the three-way rule (docs/design.md, "Testing") against
+and backward follow the three-way rule (docs/design.md §10) against
 the float64 golden of ``tests/golden.py`` (``dense_attention`` over
 ``dense_counts``), with the reference in the same low precision as the
 yardstick. The limits are checked on fake CUDA tensors (no GPU needed), and

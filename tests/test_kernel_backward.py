@@ -1,7 +1,7 @@
 """The Triton backward (dQ, dK, dV) against the reference, on the CPU interpreter.
 
 ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` when there is no GPU, so
-these run in CI. Accuracy follows the three-way rule (DESIGN §6,
+these run in CI. Accuracy follows the three-way rule (docs/design.md §10,
 ``golden.assert_three_way``): the golden gradients are the reference's on
 float64 inputs; the reference run in the test dtype sets the error budget;
 the kernel's error may be at most twice the reference's, **per row** (plus

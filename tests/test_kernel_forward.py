@@ -1,6 +1,6 @@
 """The Triton forward kernel against the reference, on the CPU (``TRITON_INTERPRET=1``).
 
-Three-way rule (DESIGN §6): golden = the reference on float64 inputs; the
+Three-way rule (docs/design.md §10): golden = the reference on float64 inputs; the
 reference in the test dtype has some error against it; the kernel's error
 may be at most twice that, plus a floor of a few float32 ulps of the result's
 magnitude (for results the reference gets exactly right).

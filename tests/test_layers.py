@@ -1,4 +1,4 @@
-"""The package's import graph: no cycles, no private names borrowed across modules (DESIGN §4, layers).
+"""The package's import graph: no cycles, no private names borrowed across modules (docs/design.md §4, layers).
 
 Every module under ``flashrange/`` is read with :mod:`ast` (nothing is
 imported, so modules being written, optional dependencies and GPU-only code

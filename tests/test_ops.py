@@ -1,4 +1,4 @@
-"""``torch.library.opcheck`` on the ``flashrange`` ops (docs/design.md, "Compile contract").
+"""``torch.library.opcheck`` on the ``flashrange`` ops (docs/design.md §7).
 
 Every default check runs (schema, autograd registration, fake tensor,
 aot_dispatch_dynamic) on ``flashrange::fwd`` and ``flashrange::bwd`` over a

@@ -1,7 +1,7 @@
 """The reference against a dense float64 softmax built from the mask's cover counts.
 
 The reference (``flashrange.reference``) is the oracle for every kernel test,
-so it is checked here against the plain definition of DESIGN §2
+so it is checked here against the plain definition of docs/design.md §2
 (``tests/golden.py``): in float64 to ~1e-10, forward and backward (against
 ``torch.autograd`` on the dense formula), and in float32 / bfloat16 by the
 three-way rule (its error at most twice that of the dense formula run in the
@@ -233,7 +233,7 @@ def _m(rows):
 
 
 # One slice each, placed away from the tensor edges: (q_range, k_range, type, Tq, Tk, expected cells of the
-# rectangle written out by hand from DESIGN §2).
+# rectangle written out by hand from docs/design.md §2).
 PICTURES = [
     pytest.param((1, 4), (2, 4), BI_CAUSAL, 5, 6, _m([[0, 0], [0, 0], [0, 0]]), id="bi_causal-Lq3>Lk2-empty"),
     pytest.param((1, 3), (1, 5), BI_CAUSAL, 4, 6, _m([[1, 1, 1, 0], [0, 1, 1, 1]]), id="bi_causal-Lq2<Lk4-band"),

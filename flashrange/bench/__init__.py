@@ -1,4 +1,4 @@
-"""``flashrange bench``: every contender in one process, on the same inputs, timed one way (DESIGN §7).
+"""``flashrange bench``: every contender in one process, on the same inputs, timed one way (docs/design.md §11).
 
 Modules, each with one job:
 

@@ -165,7 +165,7 @@ def _run_contender(c, case, cm, inputs, base, st: Settings) -> dict:
             rec["err_grad"] = max(rel_err(c.from_layout(g), r) for g, r in zip(grads, base["grads"]))
         del out, grads
         if device.type == "cuda" and c.is_flashrange:
-            # DESIGN §5: no host sync on the GPU path. Reported, never a switch.
+            # docs/design.md §7: no host sync on the GPU path. Reported, never a switch.
             def one_step():
                 o = fn(*leaves)
                 if backward:

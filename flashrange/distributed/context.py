@@ -66,7 +66,7 @@ class ContextParallel:
     Args:
         q_ranges, k_ranges: `(S, 2)` int32 global ranges of the whole sequence;
             mask_types: `(S,)` int32 (0 FULL, 1 CAUSAL, 2 INV_CAUSAL,
-            3 BI_CAUSAL; docs/design.md, "Semantics"). Any device: they are
+            3 BI_CAUSAL; docs/design.md §2). Any device: they are
             read on the host once, here. Empty slices are ignored.
         total_seqlen_q: ``T``, the tokens of the global sequence.
         total_seqlen_k: must equal ``total_seqlen_q`` (``None`` means equal):

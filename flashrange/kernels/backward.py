@@ -1,4 +1,4 @@
-"""Triton backward of range attention: dQ, dK, dV (docs/design.md, "Backward").
+"""Triton backward of range attention: dQ, dK, dV (docs/design.md §6).
 
 Three launches, no atomics, so every gradient is bitwise reproducible:
 

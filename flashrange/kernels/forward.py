@@ -1,4 +1,4 @@
-"""Triton forward kernel of range attention (docs/design.md, "Forward"): the CUDA slot of ``flashrange::fwd``.
+"""Triton forward kernel of range attention (docs/design.md §6): the CUDA slot of ``flashrange::fwd``.
 
 One program owns one block of ``BLOCK_M`` query rows of one query head. It
 walks the slices of its window in the plan's query-major half
