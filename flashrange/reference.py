@@ -118,6 +118,25 @@ def _check_shapes(q, k, v):
         raise ValueError(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
 
 
+def _chunk_scores(q, kf, vf, slices, Tk, scale, softcap):
+    """Per chunk of query rows with a covered cell: ``(r0, r1, counts, v, scores)``.
+
+    ``counts`` `(C, Tk)` are the chunk's cover counts; ``v`` is ``vf`` with the
+    keys no row of the chunk reads zeroed; ``scores`` `(Hkv, G, C, Tk)` are in
+    the math dtype, from q and k with the uncovered rows and keys zeroed.
+    """
+    Tq, Hq, D = q.shape
+    Hkv = kf.shape[1]
+    step = _chunk_rows(Hq, Tk)
+    for r0 in range(0, Tq, step):
+        r1 = min(Tq, r0 + step)
+        cnt = _chunk_counts(slices, r0, r1, Tk, q.device, kf.dtype)
+        if not bool((cnt > 0).any()):
+            continue
+        qc, kc, vc = _used_only(q[r0:r1].to(kf.dtype), kf, vf, cnt)
+        yield r0, r1, cnt, vc, _scores(qc.view(r1 - r0, Hkv, Hq // Hkv, D), kc, scale, softcap)
+
+
 def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0):
     """Reference forward.
 
@@ -128,8 +147,7 @@ def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_sca
     """
     _check_shapes(q, k, v)
     Tq, Hq, D = q.shape
-    Tk, Hkv, Dv = v.shape
-    G = Hq // Hkv
+    Tk, Dv = v.shape[0], v.shape[2]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     dev = q.device
     acc = _acc_dtype(q.dtype)
@@ -138,15 +156,7 @@ def range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_sca
     slices = _clamped_slices(q_ranges, k_ranges, mask_types, Tq, Tk)
     if not slices or Tq == 0 or Tk == 0:
         return out.to(q.dtype), lse
-    kf, vf = k.to(acc), v.to(acc)
-    step = _chunk_rows(Hq, Tk)
-    for r0 in range(0, Tq, step):
-        r1 = min(Tq, r0 + step)
-        cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
-        if not bool((cnt > 0).any()):
-            continue
-        qc, kc, vc = _used_only(q[r0:r1].to(acc), kf, vf, cnt)
-        s = _scores(qc.view(r1 - r0, Hkv, G, D), kc, scale, softcap)
+    for r0, r1, cnt, vc, s in _chunk_scores(q, k.to(acc), v.to(acc), slices, Tk, scale, softcap):
         # log(0) = -inf removes uncovered cells (where(): a NaN score there stays out).
         logits = torch.where(cnt > 0, s + torch.log(cnt), float("-inf"))
         m = logits.amax(dim=-1, keepdim=True)
@@ -229,8 +239,7 @@ def range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_sca
     """
     _check_shapes(q, k, k)
     Tq, Hq, D = q.shape
-    Tk, Hkv, _ = k.shape
-    G = Hq // Hkv
+    Tk = k.shape[0]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     dev = q.device
     acc = _acc_dtype(q.dtype)
@@ -239,15 +248,8 @@ def range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_sca
     if not slices or Tq == 0 or Tk == 0:
         return best
     kf = k.to(acc)
-    step = _chunk_rows(Hq, Tk)
-    for r0 in range(0, Tq, step):
-        r1 = min(Tq, r0 + step)
-        cnt = _chunk_counts(slices, r0, r1, Tk, dev, acc)
-        if not bool((cnt > 0).any()):
-            continue
-        # Uncovered tokens stay out of the products, as in the forward.
-        qc, kc, _ = _used_only(q[r0:r1].to(acc), kf, kf, cnt)
-        s = _scores(qc.view(r1 - r0, Hkv, G, D), kc, scale, softcap)
+    # Uncovered tokens stay out of the products, as in the forward.
+    for _, _, cnt, _, s in _chunk_scores(q, kf, kf, slices, Tk, scale, softcap):
         s = torch.where(cnt > 0, s, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(2, 3)).reshape(Hq))
     return best

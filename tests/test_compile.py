@@ -33,13 +33,7 @@ STEPS = 50
 T_TRAIN = 67  # room for 64 one-token documents; odd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tensors here are tiny: one intra-op thread is faster, and much faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(autouse=True)
