@@ -285,14 +285,31 @@ def _order_blocks_kernel(q_work_ptr, k_work_ptr, q_order_ptr, k_order_ptr, nq, n
         _order_axis(k_work_ptr, k_order_ptr, pid, nk, BLOCK_B, BLOCK_T)
 
 
+def _running_max(x, width=1024):
+    """``torch.cummax(x, 0).values`` of a 1-D tensor, as a scan of rows then of row maxima.
+
+    A 1-D scan is one row for PyTorch's CUDA scan kernels, i.e. one thread
+    block for the whole tensor; cutting it into rows keeps every step parallel.
+    """
+    n = x.shape[0]
+    if n <= width:
+        return torch.cummax(x, dim=0).values if n else x
+    rows = -(-n // width)
+    padded = torch.full((rows * width,), torch.iinfo(x.dtype).min, dtype=x.dtype, device=x.device)
+    padded[:n] = x
+    within = torch.cummax(padded.view(rows, width), dim=1).values
+    before = torch.cummax(within[:, -1], dim=0).values
+    carry = torch.cat([before.new_full((1,), torch.iinfo(x.dtype).min), before[:-1]])
+    return torch.maximum(within, carry[:, None]).view(-1)[:n]
+
+
 def _sorted_halves(qr, kr, mt, Tq, Tk):
     """Step 1 by sorting: both halves' slices and running maximum ends (many slices)."""
     out = []
     for transpose in (False, True):
         sl = canonical_slices(qr, kr, mt, Tq, Tk, transpose=transpose)
         end = torch.where(sl[:, 4] >= 0, sl[:, 3] if transpose else sl[:, 1], torch.zeros_like(sl[:, 1]))
-        run_end = torch.cummax(end, dim=0).values if end.numel() else end
-        out += [sl.to(torch.int32).contiguous(), run_end.to(torch.int32).contiguous()]
+        out += [sl.to(torch.int32).contiguous(), _running_max(end).to(torch.int32).contiguous()]
     return out
 
 
