@@ -155,21 +155,20 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, pla
     )
 
 
-@torch.library.custom_op("flashrange::fwd_max_logits", mutates_args=())
-def fwd_max_logits(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_ranges: torch.Tensor,
-    k_ranges: torch.Tensor,
-    mask_types: torch.Tensor,
-    plan: list[torch.Tensor],
-    softmax_scale: float,
-    softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fwd_max_logits_reference(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap):
     out, lse = reference.range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
     max_logits = reference.range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
     return out, lse, max_logits
+
+
+# fwd's arguments (its schema, spelled out) with a third result: the reference serves CPU and other devices.
+fwd_max_logits = torch.library.custom_op(
+    "flashrange::fwd_max_logits",
+    _fwd_max_logits_reference,
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor q_ranges, Tensor k_ranges, Tensor mask_types, Tensor[] plan, "
+    "float softmax_scale, float softcap) -> (Tensor, Tensor, Tensor)",
+)
 
 
 @fwd_max_logits.register_kernel("cuda")
@@ -181,9 +180,7 @@ def _fwd_max_logits_cuda(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_
             q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap, plan=RangePlan(*plan),
             return_max_logits=True,
         )
-    out, lse = reference.range_attention_forward(q, k, v, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
-    max_logits = reference.range_attention_max_logits(q, k, q_ranges, k_ranges, mask_types, softmax_scale, softcap)
-    return out, lse, max_logits
+    return _fwd_max_logits_reference(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
 
 
 @fwd_max_logits.register_fake
