@@ -184,26 +184,17 @@ def _attn_fwd_fake(q, k, v, send_index, meta, ranges, plans, group, recv_capacit
 # ------------------------------------------------------------------ backward
 
 
-@torch.library.custom_op("flashrange_cp::attn_bwd", mutates_args=())
+@torch.library.custom_op(
+    "flashrange_cp::attn_bwd",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor k_remote, Tensor v_remote, Tensor out, "
+    "Tensor lse, Tensor send_index, Tensor meta, Tensor[] ranges, Tensor[] plans, str group, float softmax_scale, "
+    "float softcap, bool overlap) -> (Tensor, Tensor, Tensor)",
+)
 def attn_bwd(
-    dout: torch.Tensor,
-    dlse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_remote: torch.Tensor,
-    v_remote: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    send_index: torch.Tensor,
-    meta: torch.Tensor,
-    ranges: list[torch.Tensor],
-    plans: list[torch.Tensor],
-    group: str,
-    softmax_scale: float,
-    softcap: float,
-    overlap: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout, dlse, q, k, v, k_remote, v_remote, out, lse, send_index, meta, ranges, plans, group, softmax_scale, softcap,
+    overlap,
+):
     m = _Meta(meta)
     acc = _acc(q.dtype)
     n_send, n_recv = sum(m.send_splits), sum(m.recv_splits)
