@@ -134,8 +134,7 @@ def run_e2e(device, dtype, *, tiny, warmup, reps, budget) -> dict:
             if impl == "flex_attention" and device.type != "cuda":
                 row["note"] = "GPU only here (transformers compiles flex_attention)"
                 continue
-            if budget.spent():
-                row["note"] = "skipped: time budget spent"
+            if budget.skips(row):
                 continue
             _say(f"e2e: {T} tokens, {n_docs} documents: {impl}")
             model = None

@@ -163,8 +163,7 @@ def plan_cost(device, *, tiny, warmup, reps, budget) -> list[dict]:
         row = {"mask": label, "T": T, "slices": None, "nonempty": None, "gpu": None, "host_us": None,
                "graph": None, "note": ""}
         rows.append(row)
-        if budget.spent():
-            row["note"] = "skipped: time budget spent"
+        if budget.skips(row):
             continue
         _say(f"plan cost: {label}")
         try:

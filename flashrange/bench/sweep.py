@@ -73,6 +73,23 @@ def _bwd_name(c) -> str:
             f"+q_m{c.q_block_m}_n{c.q_block_n}_w{c.q_warps}_s{c.q_stages}")
 
 
+def _sweep_config(rows, name, what, call, err_of, tol, st, budget, device) -> None:
+    """Append config ``name``'s row to ``rows``: the error ``err_of(call())`` against the reference and the time of
+    ``call``; a config that does not build says so in its note, one past ``tol`` is marked WRONG."""
+    row = {"config": name, "time": None, "err": None, "note": ""}
+    rows.append(row)
+    if budget.skips(row):
+        return
+    _say(f"sweep {what} {name}")
+    try:
+        row["err"] = err_of(call())
+        row["time"] = measure(call, device=device, warmup=st.warmup, reps=st.reps).as_dict()
+    except Exception as e:  # noqa: BLE001 (a config that does not build is a result)
+        row["note"] = short_error(e)
+    if row["err"] is not None and not row["err"] <= tol:
+        row["note"] = (row["note"] + " " if row["note"] else "") + f"WRONG (err {row['err']:.1e})"
+
+
 def _sweep_case(case, st, budget) -> dict:
     from ..kernels.backward import default_config as bwd_default
     from ..kernels.backward import range_attention_backward_triton
@@ -97,40 +114,18 @@ def _sweep_case(case, st, budget) -> dict:
            "fwd_default": fwd_default(D, Dv, dtype, device_type=device.type).name,
            "bwd_default": _bwd_name(bwd_default(D, Dv, dtype, device)), "fwd": [], "bwd": []}
     for cfg in forward_candidates(D, Dv, dtype, device):
-        row = {"config": cfg.name, "time": None, "err": None, "note": ""}
-        rec["fwd"].append(row)
-        if budget.spent():
-            row["note"] = "skipped: time budget spent"
-            continue
-        _say(f"sweep {case.name}: forward {cfg.name}")
-        try:
-            def call(cfg=cfg):
-                return range_attention_forward_triton(q, k, v, qr, kr, mt, scale, 0.0, plan=plan, config=cfg)
+        def call(cfg=cfg):
+            return range_attention_forward_triton(q, k, v, qr, kr, mt, scale, 0.0, plan=plan, config=cfg)
 
-            row["err"] = rel_err(call()[0], out_ref)
-            row["time"] = measure(call, device=device, warmup=st.warmup, reps=st.reps).as_dict()
-        except Exception as e:  # noqa: BLE001 (a config that does not build is a result)
-            row["note"] = short_error(e)
-        if row["err"] is not None and not row["err"] <= tol:
-            row["note"] = (row["note"] + " " if row["note"] else "") + f"WRONG (err {row['err']:.1e})"
+        _sweep_config(rec["fwd"], cfg.name, f"{case.name}: forward", call, lambda res: rel_err(res[0], out_ref),
+                      tol, st, budget, device)
     for cfg in backward_candidates(D, Dv, dtype, device):
-        row = {"config": _bwd_name(cfg), "time": None, "err": None, "note": ""}
-        rec["bwd"].append(row)
-        if budget.spent():
-            row["note"] = "skipped: time budget spent"
-            continue
-        _say(f"sweep {case.name}: backward {row['config']}")
-        try:
-            def call(cfg=cfg):
-                return range_attention_backward_triton(dout, q, k, v, out_ref, lse_ref, qr, kr, mt, scale, 0.0,
-                                                       dlse, plan=plan, config=cfg)
+        def call(cfg=cfg):
+            return range_attention_backward_triton(dout, q, k, v, out_ref, lse_ref, qr, kr, mt, scale, 0.0,
+                                                   dlse, plan=plan, config=cfg)
 
-            row["err"] = max(rel_err(g, r) for g, r in zip(call(), grads_ref))
-            row["time"] = measure(call, device=device, warmup=st.warmup, reps=st.reps).as_dict()
-        except Exception as e:  # noqa: BLE001
-            row["note"] = short_error(e)
-        if row["err"] is not None and not row["err"] <= tol:
-            row["note"] = (row["note"] + " " if row["note"] else "") + f"WRONG (err {row['err']:.1e})"
+        _sweep_config(rec["bwd"], _bwd_name(cfg), f"{case.name}: backward",
+                      call, lambda res: max(rel_err(g, r) for g, r in zip(res, grads_ref)), tol, st, budget, device)
     return rec
 
 

@@ -143,3 +143,10 @@ class Budget:
 
     def spent(self) -> bool:
         return self.seconds > 0 and self.elapsed() > self.seconds
+
+    def skips(self, row: dict) -> bool:
+        """Whether the work of result ``row`` is skipped because the budget is spent (its note then says so)."""
+        if self.spent():
+            row["note"] = "skipped: time budget spent"
+            return True
+        return False
