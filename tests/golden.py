@@ -218,3 +218,22 @@ def assert_three_way(name, got, ref, golden):
         f"|golden| {gold_norm:.3e} / sqrt({e['rows']} rows) (Frobenius; "
         f"{float(e['got']) / max(float(e['ref']), 1e-300):.2f} x the reference)"
     )
+
+
+def assert_sink_three_way(got, ref, gold, dsink_atol):
+    """Sink attention results ``(out, lse, (dq, dk, dv, dsink))``: the candidate ``got`` and the reference ``ref``
+    (both in the test dtype) against float64 ``gold``.
+
+    out, dq, dk, dv by :func:`assert_three_way`; lse within twice the reference's largest error + 1e-5;
+    dsink, element by element, within twice the reference's error + ``eps |gold| + dsink_atol``: dsink sums a
+    float32 term over every row, so its error is the low-precision out's, as the reference's.
+    """
+    (out, lse, grads), (ref_out, ref_lse, ref_grads), (gold_out, gold_lse, gold_grads) = got, ref, gold
+    assert_three_way("out", out, ref_out, gold_out)
+    err, err_ref = (lse.double() - gold_lse).abs().max(), (ref_lse.double() - gold_lse).abs().max()
+    assert err <= 2 * err_ref + 1e-5, f"lse: {float(err):.3e} vs reference {float(err_ref):.3e}"
+    for name, g, r, gd in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3], gold_grads[:3]):
+        assert_three_way(name, g, r, gd)
+    eps = torch.finfo(grads[0].dtype).eps
+    err, err_ref = (grads[3].double() - gold_grads[3]).abs(), (ref_grads[3].double() - gold_grads[3]).abs()
+    assert (err <= 2 * err_ref + eps * gold_grads[3].abs() + dsink_atol).all(), f"dsink {err} vs reference {err_ref}"
