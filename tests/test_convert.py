@@ -228,20 +228,16 @@ def _doc_bounds(T, n_docs, seed, min_len=2):
     return [0] + [c * min_len for c in cuts] + [T]
 
 
-COMMON = [
-    pytest.param("causal", 1, id="causal"),
-    pytest.param("causal-wide", 1, id="causal-Tq<Tk"),
-    pytest.param("causal-tall", 1, id="causal-Tq>Tk"),
-    pytest.param("full", 1, id="full"),
-    pytest.param("sliding-window", 3, id="sliding-window"),
-    pytest.param("sliding-window-bidir", 3, id="sliding-window-bidirectional"),
-    pytest.param("prefix-lm", 2, id="prefix-lm"),
-    pytest.param("documents-causal", 7, id="documents-causal"),
-    pytest.param("documents-full", 7, id="documents-full"),
-    pytest.param("chunked-causal", 5, id="chunked-causal"),
-    pytest.param("block-causal", 5, id="block-causal"),
-    pytest.param("shared-question", 5, id="shared-question"),
-]
+# Each mask of _common and the most slices its conversion may take.
+COMMON_SLICES = {
+    "causal": 1, "causal-wide": 1, "causal-tall": 1, "full": 1, "sliding-window": 3, "sliding-window-bidir": 3,
+    "prefix-lm": 2, "documents-causal": 7, "documents-full": 7, "chunked-causal": 5, "block-causal": 5,
+    "shared-question": 5,
+}
+_COMMON_IDS = {
+    "causal-wide": "causal-Tq<Tk", "causal-tall": "causal-Tq>Tk", "sliding-window-bidir": "sliding-window-bidirectional",
+}
+COMMON = [pytest.param(name, n, id=_COMMON_IDS.get(name, name)) for name, n in COMMON_SLICES.items()]
 
 
 def _common(name):
