@@ -257,19 +257,10 @@ def test_comparison_rejects_small_errors():
 # ---------------------------------------------------------------------------------------------
 # The unmasked fast path, zero-length inputs, strided views and 64-bit offsets
 
-from test_kernel_forward import longest_full_run  # noqa: E402
-
-# One slice per type with whole 32 x 32 tiles (the interpreter's default) inside it along both walks:
-# (q_range, k_range, type, Tq, Tk).
-BWD_FAST_PATH = [
-    pytest.param((3, 100), (5, 95), FULL, 103, 97, id="full"),
-    pytest.param((0, 131), (0, 131), CAUSAL, 131, 131, id="causal"),
-    pytest.param((0, 131), (0, 131), INV_CAUSAL, 131, 131, id="inv_causal"),
-    pytest.param((0, 64), (0, 160), BI_CAUSAL, 67, 161, id="bi_causal"),
-]
+from test_kernel_forward import fast_path_params, longest_full_run  # noqa: E402
 
 
-@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk", BWD_FAST_PATH)
+@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk", fast_path_params("backward"))
 def test_fast_path_every_type(q_range, k_range, mtype, Tq, Tk):
     """Default interpreter tiles with whole tiles inside the slice along both walks (dK/dV: query tiles of a
     key block, dQ: key tiles of a query block), plus an overlapping slice; D != Dv, dlse != 0."""

@@ -308,17 +308,24 @@ def longest_full_run(q_range, k_range, mtype, Tq, Tk, block, *, by_keys=False):
     return best
 
 
-# One slice per type, large enough that whole 64 x 64 forward tiles (the interpreter's default,
-# cpu_m64_n64) and 32 x 32 backward tiles fall inside it: (q_range, k_range, type, Tq, Tk).
-FAST_PATH = [
-    pytest.param((3, 250), (5, 240), FULL, 253, 247, id="full"),
-    pytest.param((0, 259), (0, 259), CAUSAL, 259, 259, id="causal"),
-    pytest.param((0, 259), (0, 259), INV_CAUSAL, 259, 259, id="inv_causal"),
-    pytest.param((0, 128), (0, 320), BI_CAUSAL, 131, 321, id="bi_causal"),
-]
+# One slice per type, large enough that whole tiles of the interpreter's defaults fall inside it:
+# type -> (q_range, k_range, Tq, Tk) for the forward (64 x 64 tiles, cpu_m64_n64) and for the backward
+# (32 x 32 tiles, along both of its walks).
+FAST_PATH_SLICES = {
+    "full": (FULL, ((3, 250), (5, 240), 253, 247), ((3, 100), (5, 95), 103, 97)),
+    "causal": (CAUSAL, ((0, 259), (0, 259), 259, 259), ((0, 131), (0, 131), 131, 131)),
+    "inv_causal": (INV_CAUSAL, ((0, 259), (0, 259), 259, 259), ((0, 131), (0, 131), 131, 131)),
+    "bi_causal": (BI_CAUSAL, ((0, 128), (0, 320), 131, 321), ((0, 64), (0, 160), 67, 161)),
+}
 
 
-@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk", FAST_PATH)
+def fast_path_params(direction):
+    """``FAST_PATH_SLICES`` of ``direction`` ("forward" or "backward") as ``(q_range, k_range, mtype, Tq, Tk)``."""
+    i = {"forward": 1, "backward": 2}[direction]
+    return [pytest.param(c[i][0], c[i][1], c[0], c[i][2], c[i][3], id=name) for name, c in FAST_PATH_SLICES.items()]
+
+
+@pytest.mark.parametrize("q_range, k_range, mtype, Tq, Tk", fast_path_params("forward"))
 def test_fast_path_every_type(q_range, k_range, mtype, Tq, Tk):
     """Default interpreter tiles, one big slice per type (plus an overlapping small one): the unmasked
     middle tiles and the masked edges together, Dv != D."""
