@@ -31,13 +31,7 @@
 #
 # Exit status: 0 when the tests pass and no bench step finds an error or a mismatch.
 
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
+source "$(dirname "$0")/common.sh" out
 PYTEST_BUDGET="${PYTEST_BUDGET:-150}"
 PYTEST_TEST_TIMEOUT="${PYTEST_TEST_TIMEOUT:-120}"
 CHECK_BUDGET="${CHECK_BUDGET:-60}"

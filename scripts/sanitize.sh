@@ -13,13 +13,7 @@
 # logs in $OUT. Exit status: 0 when every step ran and memcheck found no error, 1 otherwise, 2 when
 # compute-sanitizer is not installed. Extras: PYTHON (default python3), SANITIZER (its path).
 
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/out/sanitize}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
+source "$(dirname "$0")/common.sh" out/sanitize
 
 SAN="${SANITIZER:-}"
 if [ -z "$SAN" ]; then
