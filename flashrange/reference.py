@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, MASK_TYPES
+from .constants import CAUSAL, FULL, INV_CAUSAL, MASK_TYPES
 
 __all__ = ["range_attention_forward", "range_attention_backward", "range_attention_max_logits", "coverage_counts"]
 

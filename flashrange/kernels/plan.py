@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..constants import PLAN_BLOCK
-from ..plan import BlockPlan, RangePlan, build_block_plan_torch, build_plan_torch, canonical_slices
+from ..plan import RangePlan, build_block_plan_torch, build_plan_torch, canonical_slices
 from .common import launch
 
 __all__ = ["build_plan", "build_block_plan", "build_plan_triton", "build_block_plan_triton", "RANK_BY_COUNTING_MAX"]
