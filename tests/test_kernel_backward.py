@@ -38,7 +38,7 @@ from flashrange import reference
 from golden import assert_three_way, dense_counts, random_slice_rows, three_way_errors
 from flashrange.kernels.backward import BwdConfig, default_config, range_attention_backward_triton
 
-FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = reference.FULL, reference.CAUSAL, reference.INV_CAUSAL, reference.BI_CAUSAL
+from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 
 
 
