@@ -53,6 +53,11 @@ def plan_mask(q_ranges, k_ranges, mask_types, Tq: int, Tk: int, *, strict=None) 
         raise ValueError(f"Tq and Tk must be >= 0, got Tq={Tq}, Tk={Tk}")
     if strict_enabled(strict) and values_readable(q_ranges):
         check_range_values(q_ranges, k_ranges, mask_types, Tq, Tk)
+    return _plan(q_ranges, k_ranges, mask_types, Tq, Tk)
+
+
+def _plan(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan:
+    """The plan through the eager CUDA path or the op (see :func:`flashrange.ops.eager_cuda`)."""
     if ops.eager_cuda(q_ranges, k_ranges, mask_types):
         return ops.plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk)
     return RangePlan(*ops.plan(q_ranges, k_ranges, mask_types, Tq, Tk))
@@ -113,13 +118,11 @@ def attention(
         plan = check_plan(plan, mask_types.shape[0], Tq, Tk)
         if plan.q_slices.device != q.device:
             raise ValueError(f"the plan is on {plan.q_slices.device} but q is on {q.device}")
-    if ops.eager_cuda(q, k, v, q_ranges, k_ranges, mask_types, *(plan or ())):
-        if plan is None:
-            plan = ops.plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if plan is None:
+        plan = _plan(q_ranges, k_ranges, mask_types, Tq, Tk)
+    if ops.eager_cuda(q, k, v, q_ranges, k_ranges, mask_types, *plan):
         result = ops.fwd_eager(q, k, v, q_ranges, k_ranges, mask_types, plan, scale, softcap, return_max_logits)
     else:
-        if plan is None:
-            plan = ops.plan(q_ranges, k_ranges, mask_types, Tq, Tk)
         op = ops.fwd_max_logits if return_max_logits else ops.fwd
         result = op(q, k, v, q_ranges, k_ranges, mask_types, list(plan), scale, softcap)
     if sink is None:

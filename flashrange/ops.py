@@ -1,6 +1,6 @@
 """The ``flashrange`` torch.library ops: schema, kernels per device, fake impls, autograd.
 
-Three ops carry everything (docs/design.md §4, §7):
+Four ops carry everything (docs/design.md §4, §7):
 
 - ``flashrange::plan(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan`` (8 int32 tensors)
 - ``flashrange::fwd(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap) -> (out, lse)``
@@ -22,6 +22,8 @@ Arguments are resolved before the ops (the front-ends do it through
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -57,9 +59,9 @@ def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
         from .kernels.plan import build_plan_triton
     except ImportError:
         return tuple(build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk))
-    if q_ranges.device.index == torch.cuda.current_device():
-        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
-    with torch.cuda.device(q_ranges.device):
+    # Triton launches on the current device; the ranges may live on another one.
+    other_device = q_ranges.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q_ranges.device) if other_device else contextlib.nullcontext():
         return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
 
 
