@@ -34,15 +34,22 @@ from .plan import RangePlan, build_plan_torch, plan_blocks
 __all__ = ["plan", "fwd", "fwd_max_logits", "bwd", "eager_cuda", "plan_eager", "fwd_eager"]
 
 
+_TRITON_IMPORTABLE = None
+
+
 def _triton_serves(dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels serve CUDA tensors of ``dtype`` (Triton importable)."""
+    """Whether the Triton kernels serve CUDA tensors of ``dtype`` (Triton importable: asked once)."""
+    global _TRITON_IMPORTABLE
     if dtype not in KERNEL_DTYPES:
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if _TRITON_IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _TRITON_IMPORTABLE = False
+        else:
+            _TRITON_IMPORTABLE = True
+    return _TRITON_IMPORTABLE
 
 
 @torch.library.custom_op("flashrange::plan", mutates_args=())

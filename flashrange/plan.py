@@ -96,25 +96,40 @@ def plan_blocks(T):
 def check_plan(plan, S, Tq, Tk):
     """Raise ``ValueError`` unless ``plan`` is a :class:`RangePlan` for ``S`` slices over ``Tq x Tk``.
 
-    Shapes only: free, and valid under ``torch.compile``.
+    Shapes only: free, and valid under ``torch.compile``. Returns the plan as a :class:`RangePlan`.
     """
-    if not isinstance(plan, (tuple, list)) or len(plan) != 8 or not all(isinstance(t, torch.Tensor) for t in plan):
-        raise TypeError(
-            f"plan must be a flashrange.RangePlan (from flashrange.plan_mask), got {type(plan).__name__}"
-        )
-    plan = RangePlan(*plan)
+    if type(plan) is not RangePlan:
+        if not isinstance(plan, (tuple, list)) or len(plan) != 8:
+            raise TypeError(
+                f"plan must be a flashrange.RangePlan (from flashrange.plan_mask), got {type(plan).__name__}"
+            )
+        plan = RangePlan(*plan)
     nq, nk = plan_blocks(Tq), plan_blocks(Tk)
+    i32 = torch.int32
+    qs, qlo, qhi, qo, ks, klo, khi, ko = plan
+    # One chained comparison on the common path: this runs on every call that passes a plan.
+    try:
+        ok = (
+            qs.shape == (S, 5) and ks.shape == (S, 5)
+            and qlo.shape == qhi.shape == qo.shape == (nq,) and klo.shape == khi.shape == ko.shape == (nk,)
+            and qs.dtype == qlo.dtype == qhi.dtype == qo.dtype == ks.dtype == klo.dtype == khi.dtype == ko.dtype == i32
+        )
+    except AttributeError:
+        ok = False
+    if ok:
+        return plan
     want = ((S, 5), (nq,), (nq,), (nq,), (S, 5), (nk,), (nk,), (nk,))
-    got = tuple(tuple(t.shape) for t in plan)
-    if got != want or any(t.dtype != torch.int32 for t in plan):
-        for name, t, shape in zip(plan._fields, plan, want):
-            if tuple(t.shape) != shape or t.dtype != torch.int32:
-                raise ValueError(
-                    f"this plan does not fit the call: plan.{name} is {tuple(t.shape)} {t.dtype}, expected "
-                    f"{shape} int32 for {S} slices over Tq={Tq}, Tk={Tk}; build it with "
-                    "flashrange.plan_mask(q_ranges, k_ranges, mask_types, Tq, Tk) for these tensors"
-                )
-    return plan
+    for name, t, shape in zip(plan._fields, plan, want):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"plan.{name} must be a torch.Tensor, got {type(t).__name__}; build the plan with "
+                            "flashrange.plan_mask")
+        if tuple(t.shape) != shape or t.dtype != i32:
+            raise ValueError(
+                f"this plan does not fit the call: plan.{name} is {tuple(t.shape)} {t.dtype}, expected "
+                f"{shape} int32 for {S} slices over Tq={Tq}, Tk={Tk}; build it with "
+                "flashrange.plan_mask(q_ranges, k_ranges, mask_types, Tq, Tk) for these tensors"
+            )
+    raise ValueError(f"this plan does not fit the call for {S} slices over Tq={Tq}, Tk={Tk}")
 
 
 def _segments(major_len, minor_len, types, transpose):

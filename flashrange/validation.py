@@ -54,8 +54,27 @@ RANGE_NAMES = ("q_ranges", "k_ranges", "mask_types")
 _TYPE_LIST = ", ".join(f"{t} ({TYPE_NAMES[t]})" for t in MASK_TYPES)
 
 
+def _qkv_ok(q, k, v) -> bool:
+    """Every condition of :func:`check_qkv` in one expression (it runs on every call)."""
+    try:
+        qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
+        return (
+            type(q) is type(k) is type(v) and isinstance(q, torch.Tensor)
+            and len(qs) == 3 and len(ks) == 3 and len(vs) == 3
+            and k.dtype == dt and v.dtype == dt and dt.is_floating_point
+            and k.device == dev and v.device == dev
+            and qs[2] == ks[2] and ks[0] == vs[0] and ks[1] == vs[1] and ks[1] != 0 and qs[1] % ks[1] == 0
+            and qs[0] <= MAX_TOKENS and ks[0] <= MAX_TOKENS
+            and (dev.type != "cuda" or dt not in KERNEL_DTYPES or kernel_head_dims_ok(qs[2], vs[2]))
+        )
+    except AttributeError:
+        return False
+
+
 def check_qkv(q, k, v):
     """Packed ``(T, H, D)`` q, k, v: dtypes, devices, GQA ratio, token and head-dim limits."""
+    if _qkv_ok(q, k, v):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -92,8 +111,26 @@ def check_qkv(q, k, v):
             )
 
 
+def _ranges_ok(q_ranges, k_ranges, mask_types, device) -> bool:
+    """Every condition of :func:`check_ranges` in one expression (it runs on every call)."""
+    try:
+        qs, ks, ts, i32 = q_ranges.shape, k_ranges.shape, mask_types.shape, torch.int32
+        return (
+            isinstance(q_ranges, torch.Tensor) and isinstance(k_ranges, torch.Tensor)
+            and isinstance(mask_types, torch.Tensor)
+            and len(qs) == 2 and len(ks) == 2 and len(ts) == 1 and qs[1] == 2 and ks[1] == 2
+            and qs[0] == ks[0] == ts[0]
+            and q_ranges.dtype == i32 and k_ranges.dtype == i32 and mask_types.dtype == i32
+            and q_ranges.device == device and k_ranges.device == device and mask_types.device == device
+        )
+    except AttributeError:
+        return False
+
+
 def check_ranges(q_ranges, k_ranges, mask_types, device, names=RANGE_NAMES):
     """Shapes, dtypes and device of the three slice tensors (``names``: the caller's parameter names)."""
+    if _ranges_ok(q_ranges, k_ranges, mask_types, device):
+        return
     n_q, n_k, n_t = names
     for name, t in ((n_q, q_ranges), (n_k, k_ranges)):
         if not isinstance(t, torch.Tensor):

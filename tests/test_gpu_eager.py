@@ -79,3 +79,49 @@ def test_eager_call_in_cuda_graph_follows_in_place_range_updates():
     graph.replay()
     want_out, want_lse = flashrange.range_attention(q, k, v, *new)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_repeated_calls_take_the_recorded_launch_and_match_bitwise():
+    """A second call with the same signature runs the recorded launch; same bits as the first (JIT) call."""
+    from flashrange.kernels import forward as fwd_mod
+
+    q, k, v, qr, kr, mt = _inputs(1031, 1101, 8, 2, 128, torch.bfloat16, 5)
+    plan = flashrange.plan_mask(qr, kr, mt, q.shape[0], k.shape[0])
+    fwd_mod._RECIPES.clear()
+    first = flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)
+    assert len(fwd_mod._RECIPES) == 1
+    second = flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)
+    # Built in the call (no plan given): the JIT path, never recorded.
+    third = flashrange.range_attention(q, k, v, qr, kr, mt)
+    assert len(fwd_mod._RECIPES) == 1
+    for a, b, c in zip(first, second, third):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("offset", [1, 8], ids=["misaligned-2B", "misaligned-16B"])
+def test_recorded_launch_follows_alignment_and_strides(offset):
+    """Views with another base alignment or row stride get their own launch (never the aligned one's)."""
+    q, k, v, qr, kr, mt = _inputs(1031, 1101, 8, 2, 128, torch.bfloat16, 6)
+    plan = flashrange.plan_mask(qr, kr, mt, q.shape[0], k.shape[0])
+    ref = flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)
+    flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)  # recorded
+    # The same values at an offset inside a larger buffer, and with a padded row stride.
+    buf = torch.zeros(q.numel() + 64, device=DEV, dtype=q.dtype)
+    q_off = buf[offset:offset + q.numel()].view_as(q).copy_(q)
+    wide = torch.zeros(q.shape[0], q.shape[1], 136, device=DEV, dtype=q.dtype)
+    q_wide = wide[:, :, :128].copy_(q)
+    for variant in (q_off, q_wide):
+        for _ in range(2):
+            out, lse = flashrange.range_attention(variant, k, v, qr, kr, mt, plan=plan)
+            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
+def test_recorded_launch_with_max_logits_and_softcap_match_jit_path():
+    q, k, v, qr, kr, mt = _inputs(1031, 1101, 8, 2, 64, torch.float16, 7)
+    plan = flashrange.plan_mask(qr, kr, mt, q.shape[0], k.shape[0])
+    for kwargs in ({"return_max_logits": True}, {"softcap": 5.0}, {"softmax_scale": 0.3}):
+        results = [flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan, **kwargs) for _ in range(3)]
+        unplanned = flashrange.range_attention(q, k, v, qr, kr, mt, **kwargs)
+        for r in results[1:] + [unplanned]:
+            for a, b in zip(results[0], r):
+                assert torch.equal(a, b), kwargs

@@ -260,8 +260,9 @@ def test_opcheck_fwd_cuda():
     T, Hq, Hkv, D = 129, 4, 2, 64
     q, k, v = make_qkv(T, 65, Hq, Hkv, D, D, torch.bfloat16, DEV, seed=5)
     qr, kr, mt = (t.to(DEV) for t in random_slices(T, 65, 6, seed=6, n_empty=2))
-    torch.library.opcheck(torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, 0.125, 0.0))
-    torch.library.opcheck(torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, 0.125, 3.0))
+    plan = list(torch.ops.flashrange.plan(qr, kr, mt, T, 65))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, plan, 0.125, 0.0))
+    torch.library.opcheck(torch.ops.flashrange.fwd.default, (q, k, v, qr, kr, mt, plan, 0.125, 3.0))
 
 
 def test_compile_no_recompile_on_mask_change():

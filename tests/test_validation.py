@@ -462,3 +462,69 @@ def test_head_dim_limit_on_a_real_gpu():
         range_attention(q, q, q, qr, qr, mt)
     with pytest.raises(ValueError, match=r"head dims from 1 to 256 .*got D=320"):
         flash_attn_func(q.view(1, 9, 2, 320), q.view(1, 9, 2, 320), q.view(1, 9, 2, 320), causal=True)
+
+
+def _small_call():
+    q = torch.randn(37, 2, 16)
+    k = torch.randn(41, 1, 16)
+    v = torch.randn(41, 1, 16)
+    qr, kr, mt = _t([[0, 37]]), _t([[0, 41]]), _t([CAUSAL])
+    return q, k, v, qr, kr, mt
+
+
+def _bad_plans(plan):
+    import flashrange
+
+    yield "not-a-plan", "hello", TypeError, "plan must be a flashrange.RangePlan"
+    yield "seven-tensors", tuple(plan)[:7], TypeError, "plan must be a flashrange.RangePlan"
+    yield "element-not-tensor", (None,) + tuple(plan)[1:], TypeError, "plan.q_slices must be a torch.Tensor"
+    yield "int64-order", tuple(plan)[:3] + (plan[3].long(),) + tuple(plan)[4:], ValueError, "plan.q_block_order"
+    yield "other-Tq", flashrange.plan_mask(*_small_call()[3:], 37 + 128, 41), ValueError, "plan.q_block_lo"
+    yield "other-S", flashrange.plan_mask(_t([[0, 37], [1, 1]]), _t([[0, 41], [2, 2]]), _t([0, 0]), 37, 41), \
+        ValueError, "plan.q_slices"
+
+
+def test_plan_that_does_not_fit_the_call_is_rejected():
+    import flashrange
+
+    q, k, v, qr, kr, mt = _small_call()
+    plan = flashrange.plan_mask(qr, kr, mt, 37, 41)
+    range_attention(q, k, v, qr, kr, mt, plan=plan)  # fits
+    range_attention(q, k, v, qr, kr, mt, plan=list(plan))  # a plain sequence of the eight tensors fits too
+    for name, bad, exc, message in _bad_plans(plan):
+        with pytest.raises(exc, match=message):
+            range_attention(q, k, v, qr, kr, mt, plan=bad)
+
+
+@pytest.mark.parametrize("change", ["q-offset", "k-offset", "v-row-stride", "k-dtype", "plan-offset", "scale",
+                                    "softcap", "max-logits", "heads"])
+def test_launch_signature_sees_what_changes_the_launch(change):
+    """The forward's recorded launches are keyed by everything that changes the kernel or its arguments."""
+    from flashrange.kernels.forward import _signature
+    import flashrange
+
+    q, k, v, qr, kr, mt = _small_call()
+    plan = flashrange.plan_mask(qr, kr, mt, 37, 41)
+    args = [q, k, v, plan, None, 0.0, None, False]
+    base = _signature(*args)
+    assert _signature(*args) == base
+    if change == "q-offset":
+        args[0] = torch.randn(q.numel() + 1)[1:].view_as(q)
+    elif change == "k-offset":
+        args[1] = torch.randn(k.numel() + 2)[2:].view_as(k)
+    elif change == "v-row-stride":
+        args[2] = torch.randn(41, 1, 24)[:, :, :16]
+    elif change == "k-dtype":
+        args[1] = k.double()
+    elif change == "plan-offset":
+        buf = torch.zeros(plan.q_block_lo.numel() + 1, dtype=I32)
+        args[3] = plan._replace(q_block_lo=buf[1:])
+    elif change == "scale":
+        args[4] = 0.5
+    elif change == "softcap":
+        args[5] = 3.0
+    elif change == "max-logits":
+        args[7] = True
+    elif change == "heads":
+        args[0] = torch.randn(37, 1, 16)
+    assert _signature(*args) != base

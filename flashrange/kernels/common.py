@@ -35,6 +35,9 @@ __all__ = [
     "query_span",
     "interpreting",
     "launch",
+    "jit_launch",
+    "run_compiled",
+    "fast_launch_enabled",
     "pad_dim",
     "needs_int64",
     "plan_split",
@@ -104,7 +107,56 @@ _FAST_PATH = None
 _HANDLES = {}
 
 
-def launch(kernel, grid, args, num_warps=4, num_stages=None):
+def fast_launch_enabled() -> bool:
+    """Whether launches may skip Triton's JIT dispatcher (a GPU run with ``triton.knobs``; never the interpreter).
+
+    Decided once per process, like the interpreter switch it reads.
+    """
+    global _FAST_PATH
+    if _FAST_PATH is None:
+        _FAST_PATH = _fast_path_available() and not interpreting()
+    return _FAST_PATH
+
+
+def _raw_stream_getter():
+    # The raw handle of the current stream without building a torch.cuda.Stream object
+    # (what Inductor's generated code calls); the public route where it is missing.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+_current_raw_stream = _raw_stream_getter()
+
+
+def jit_launch(kernel, grid, args, num_warps=4, num_stages=None):
+    """``kernel[grid](*args)`` through Triton's JIT dispatcher; returns the compiled kernel it launched."""
+    if num_stages is None:
+        return kernel[grid](*args, num_warps=num_warps)
+    return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+
+
+def run_compiled(handle, grid, args, device=None):
+    """Launch a compiled kernel (from :func:`jit_launch`) on the current device's current stream.
+
+    ``args`` as for the JIT launch (every parameter, constexprs included). The
+    caller guarantees the handle is the one Triton would pick for these
+    arguments (see :func:`launch`) and that the current device is the one it
+    was compiled on.
+    """
+    from triton import knobs
+
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = _current_raw_stream(torch.cuda.current_device() if device is None else device)
+    # Launch hooks (profilers) get the same metadata as through the JIT dispatcher.
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    meta = handle.launch_metadata(grid, stream, *args) if enter is not None else None
+    handle.run(grid[0], g1, g2, stream, handle.function, handle.packed_metadata, meta, enter, leave, *args)
+
+
+def launch(kernel, grid, args, num_warps=4, num_stages=None, key=None):
     """Launch ``kernel[grid](*args)``; repeated launches go straight to the compiled handle.
 
     ``args`` lists every parameter of the kernel in order, constexprs included.
@@ -114,36 +166,21 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None):
     launcher directly, as Inductor's generated code does. The cache key holds
     everything that can change the kernel Triton picks (dtypes, 16-byte
     alignment of pointers, integer properties, constexpr values), so a reused
-    handle is always the one Triton would have picked. Under the interpreter,
-    or on a Triton without ``triton.knobs``, every launch takes the JIT path.
+    handle is always the one Triton would have picked. A caller that knows
+    what determines its kernel's specialization may pass that as ``key``
+    (cheaper than reading every argument). Under the interpreter, or on a
+    Triton without ``triton.knobs``, every launch takes the JIT path.
     """
-    global _FAST_PATH
-    if _FAST_PATH is None:
-        _FAST_PATH = _fast_path_available() and not interpreting()
-    if not _FAST_PATH:
-        if num_stages is None:
-            kernel[grid](*args, num_warps=num_warps)
-        else:
-            kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+    if not fast_launch_enabled():
+        jit_launch(kernel, grid, args, num_warps, num_stages)
         return
-    from triton import knobs
-
     device = torch.cuda.current_device()
-    key = (kernel, device, num_warps, num_stages, _cache_key(kernel, args))
-    handle = _HANDLES.get(key)
+    full_key = (kernel, device, num_warps, num_stages, _cache_key(kernel, args) if key is None else key)
+    handle = _HANDLES.get(full_key)
     if handle is None:
-        if num_stages is None:
-            _HANDLES[key] = kernel[grid](*args, num_warps=num_warps)
-        else:
-            _HANDLES[key] = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        _HANDLES[full_key] = jit_launch(kernel, grid, args, num_warps, num_stages)
         return
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    stream = torch.cuda.current_stream(device).cuda_stream
-    # Launch hooks (profilers) get the same metadata as through the JIT dispatcher.
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    meta = handle.launch_metadata(grid, stream, *args) if enter is not None else None
-    handle.run(grid[0], g1, g2, stream, handle.function, handle.packed_metadata, meta, enter, leave, *args)
+    run_compiled(handle, grid, args, device)
 
 
 def interpreting() -> bool:

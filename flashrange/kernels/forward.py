@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,11 +40,14 @@ from .common import (
     DEV_LN2,
     DEV_NO_DIAGONAL,
     LOG2E,
+    fast_launch_enabled,
     interpreting,
+    jit_launch,
     launch,
     needs_int64,
     pad_dim,
     plan_split,
+    run_compiled,
     slice_diagonals,
 )
 from .plan import build_plan
@@ -471,6 +475,38 @@ def _ensure_allocator():
     _ALLOCATOR_SET = True
 
 
+# Per call signature (see _signature): the compiled kernel and every launch argument
+# that follows from it, so a repeated call skips the checks, the config choice and
+# the dispatcher. Bounded: shapes that change every step must not grow it forever.
+_RECIPES = {}
+_MAX_RECIPES = 1024
+
+
+class _Recipe(NamedTuple):
+    handle: object
+    grid: tuple
+    tail: tuple  # the arguments after the plan's four query-major tensors
+    head_dim_v: int
+
+
+def _signature(q, k, v, plan, softmax_scale, softcap, config, return_max_logits):
+    """Everything the launch derives its arguments and its Triton specialization from.
+
+    Shapes and strides (tiles, 64-bit offsets, TMA), dtypes and 16-byte
+    alignment of every pointer argument (Triton specializes on both), the
+    device, the settings. ``out``, ``lse`` and the row maxima are fresh
+    allocations, so their shapes follow from these and their bases are aligned.
+    """
+    pq, plo, phi, por = plan[0], plan[1], plan[2], plan[3]
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+        q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+        pq.dtype, plo.dtype, phi.dtype, por.dtype, pq.shape, por.shape,
+        pq.data_ptr() & 15, plo.data_ptr() & 15, phi.data_ptr() & 15, por.data_ptr() & 15,
+        softmax_scale, softcap, config, return_max_logits,
+    )
+
+
 def range_attention_forward_triton(
     q, k, v, q_ranges, k_ranges, mask_types, softmax_scale=None, softcap=0.0, *, plan=None, config=None,
     return_max_logits=False,
@@ -488,7 +524,23 @@ def range_attention_forward_triton(
     :func:`flashrange.reference.range_attention_max_logits` computes it.
 
     Static shapes and no host reads of tensor values: capturable in CUDA graphs.
+    A call whose signature (shapes, strides, dtypes, alignment, settings) was
+    seen before, with a plan given, goes straight to the compiled kernel.
     """
+    sig = None
+    if plan is not None and q.is_cuda and fast_launch_enabled():
+        sig = _signature(q, k, v, plan, softmax_scale, softcap, config, return_max_logits)
+        recipe = _RECIPES.get(sig)
+        device = torch.cuda.current_device()
+        if recipe is not None and q.device.index == device:
+            Tq, Hq = q.shape[0], q.shape[1]
+            out = torch.empty(Tq, Hq, recipe.head_dim_v, dtype=q.dtype, device=q.device)
+            lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
+            rowmax = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device) if return_max_logits else None
+            run_compiled(recipe.handle, recipe.grid, (
+                q, k, v, out, lse, lse if rowmax is None else rowmax, plan[0], plan[1], plan[2], plan[3],
+            ) + recipe.tail, device)
+            return _with_max_logits(out, lse, rowmax)
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     if k.shape[2] != D or k.shape[:2] != v.shape[:2] or Hq % Hkv:
@@ -514,10 +566,12 @@ def range_attention_forward_triton(
         config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index)
     elif isinstance(config, str):
         config = _BY_NAME[config]
-    # The kernel wants unit stride along the head dim.
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    # The kernel wants unit stride along the head dim (a copied input has another signature).
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        sig = None
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
     # TMA also needs 16-byte aligned bases and row strides (views into packed qkv
     # tensors may not have them); the same tiles run on plain pointers otherwise.
     use_tma = (
@@ -532,10 +586,10 @@ def range_attention_forward_triton(
         with torch.cuda.device(q.device):
             if plan is None:
                 plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-            return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp)
+            return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, None)
     if plan is None:
         plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-    return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp)
+    return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig)
 
 
 def _with_max_logits(out, lse, rowmax):
@@ -554,7 +608,8 @@ def _tma_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
 
 
-def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp):
+def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig):
+    """Launch the kernel; with a signature (see :func:`_signature`), record the recipe for the next call."""
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     n_blocks = plan.q_block_order.shape[0] * split
@@ -563,7 +618,8 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         cap_in, cap_out = 2.0 * LOG2E * scale / softcap, softcap * LOG2E
     else:
         cap_in, cap_out = 0.0, 0.0
-    launch(_range_attn_fwd_kernel, (n_blocks * Hq,), (
+    grid = (n_blocks * Hq,)
+    args = (
         # Without max logits the kernel never touches the row-max pointer: lse stands in.
         q, k, v, out, lse, lse if rowmax is None else rowmax,
         plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
@@ -581,5 +637,12 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
         needs_int64(q, k, v, out),  # IS_INT64
         rowmax is not None,  # HAS_MAX_LOGITS
-    ), num_warps=config.num_warps, num_stages=config.num_stages)
+    )
+    if sig is None:
+        launch(_range_attn_fwd_kernel, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        handle = jit_launch(_range_attn_fwd_kernel, grid, args, config.num_warps, config.num_stages)
+        if len(_RECIPES) >= _MAX_RECIPES:
+            _RECIPES.clear()
+        _RECIPES[sig] = _Recipe(handle, grid, args[10:], Dv)
     return _with_max_logits(out, lse, rowmax)
