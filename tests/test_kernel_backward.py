@@ -384,3 +384,95 @@ def test_offsets_past_int32_in_a_strided_view():
     golden = reference.range_attention_backward(do.double(), *f64, o64, l64, qr, kr, mt, 0.25, 0.0, dlse)
     for name, g_, r, x in zip(("dq", "dk", "dv"), golden, ref, got):
         assert_three_way(name, x, r, g_)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two launches: the dQ kernel computes delta and the scaled lse for the dK/dV kernel
+
+def _uncovered_case(seed=41):
+    """GQA; rows 0-4, 40-59 and 140-299 uncovered: inside tiles that slices visit, in whole tiles of a visited
+    plan block, and in the last plan block (partial, its window empty)."""
+    from flashrange.constants import PLAN_BLOCK
+
+    Tq, Tk, Hq, Hkv, D, Dv = 300, 90, 4, 2, 16, 24
+    rows = [(5, 40, 10, 30, FULL), (50, 140, 20, 90, CAUSAL), (60, 100, 0, 50, INV_CAUSAL)]
+    assert 140 < 2 * PLAN_BLOCK < Tq < 3 * PLAN_BLOCK and Tq % 32
+    uncovered = torch.zeros(Tq, dtype=torch.bool)
+    uncovered[:5] = uncovered[40:60] = uncovered[140:] = True  # rows 50-59 read no key of either slice
+    q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, torch.bfloat16, seed, True)
+    qr, kr, mt = _ranges(rows)
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
+    assert torch.isneginf(lse[uncovered]).all() and torch.isfinite(lse[~uncovered]).all()
+    return (q, k, v, do, out, lse, dlse), (qr, kr, mt), uncovered
+
+
+def test_two_launches_dq_first(monkeypatch):
+    """The backward is two kernel launches, dQ first (it writes delta and lse * log2(e)), then dK/dV."""
+    from flashrange.kernels import backward
+
+    (q, k, v, do, out, lse, dlse), mask, _ = _uncovered_case()
+    plan = backward.build_plan(*mask, q.shape[0], k.shape[0])
+    launched = []
+    real_launch = backward.launch
+
+    def counting_launch(kernel, grid, args, **kw):
+        launched.append(kernel)
+        return real_launch(kernel, grid, args, **kw)
+
+    monkeypatch.setattr(backward, "launch", counting_launch)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, *mask, None, 0.0, dlse, plan=plan)
+    assert launched == [backward._bwd_dq_kernel, backward._bwd_dkdv_kernel]
+    monkeypatch.undo()
+    want = range_attention_backward_triton(do, q, k, v, out, lse, *mask, None, 0.0, dlse)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_dq_kernel_writes_every_workspace_entry(monkeypatch):
+    """The dK/dV kernel reads delta and the scaled lse that the dQ programs wrote: a NaN-filled workspace must
+    come back written for every row of every head (blocks with an empty window and rows past the last full
+    tile included), with lse * log2(e) = +inf and delta = 0 exactly on rows no slice covers, and the
+    gradients must not depend on what the workspace held before."""
+    from flashrange.constants import PLAN_BLOCK
+    from flashrange.kernels import backward
+    from flashrange.kernels.common import LOG2E
+
+    (q, k, v, do, out, lse, dlse), mask, uncovered = _uncovered_case()
+    Tq, Hq = lse.shape
+    seen = []
+
+    def nan_workspace(Hq_, Tq_, device):
+        seen.append(torch.full((2, Hq_, Tq_), float("nan"), dtype=torch.float32, device=device))
+        return seen[-1]
+
+    monkeypatch.setattr(backward, "_workspace", nan_workspace)
+    for cfg in (None, BwdConfig(16, 16, 4, 1, 16, 16, 4, 1), BwdConfig(32, 32, 4, 1, PLAN_BLOCK, 16, 4, 1)):
+        got = range_attention_backward_triton(do, q, k, v, out, lse, *mask, None, 0.0, dlse, config=cfg)
+        ws = seen[-1]
+        assert ws.shape == (2, Hq, Tq) and not torch.isnan(ws).any()
+        delta, lse2 = ws[0].T, ws[1].T  # (Tq, Hq)
+        assert torch.isposinf(lse2[uncovered]).all() and torch.count_nonzero(delta[uncovered]) == 0
+        cov = ~uncovered
+        torch.testing.assert_close(lse2[cov], lse[cov] * LOG2E, rtol=1e-6, atol=0)
+        want_delta = (do.float() * out.float()).sum(-1) - dlse
+        torch.testing.assert_close(delta[cov], want_delta[cov], rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(backward, "_workspace", lambda Hq_, Tq_, device: torch.zeros(2, Hq_, Tq_, device=device))
+        clean = range_attention_backward_triton(do, q, k, v, out, lse, *mask, None, 0.0, dlse, config=cfg)
+        monkeypatch.setattr(backward, "_workspace", nan_workspace)
+        for a, b in zip(got, clean):
+            assert torch.equal(a, b)
+
+
+def test_uncovered_rows_with_nan_inputs():
+    """Rows no slice covers hold NaN in q, dO, O and dlse: their dQ is exactly 0 and nothing else changes
+    (dK, dV and the covered rows' dQ bitwise as with finite values there), also in blocks that slices visit."""
+    (q, k, v, do, out, lse, dlse), mask, uncovered = _uncovered_case()
+    want = range_attention_backward_triton(do, q, k, v, out, lse, *mask, None, 0.0, dlse)
+    assert torch.isfinite(want[0]).all() and torch.count_nonzero(want[0][uncovered]) == 0
+    bad = [t.clone() for t in (q, do, out, dlse)]
+    for t in bad:
+        t[uncovered] = float("nan")
+    q_bad, do_bad, out_bad, dlse_bad = bad
+    got = range_attention_backward_triton(do_bad, q_bad, k, v, out_bad, lse, *mask, None, 0.0, dlse_bad)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{name}: {int(torch.isnan(a).sum())} NaN"

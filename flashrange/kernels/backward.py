@@ -1,17 +1,21 @@
 """Triton backward of range attention: dQ, dK, dV (docs/design.md §6).
 
-Three launches, no atomics, so every gradient is bitwise reproducible:
+Two launches, no atomics, so every gradient is bitwise reproducible:
 
-1. ``_bwd_preprocess``: per row and head, ``delta = rowsum(dO * O) - dlse``
-   and ``lse * log2(e)`` (``+inf`` where ``lse = -inf``, so ``exp2(s - lse)``
-   is exactly 0 on rows no slice covers), both laid out ``(Hq, Tq)``.
-2. ``_bwd_dkdv_kernel``: key-block-major. A program owns ``BLOCK_N`` keys of
+1. ``_bwd_dq_kernel``: query-block-major. A program owns ``BLOCK_M`` rows of
+   one query head. From the dO and O tiles it loads anyway it first computes,
+   for its rows, ``delta = rowsum(dO * O) - dlse`` and ``lse * log2(e)``
+   (``+inf`` where ``lse = -inf``, so that ``exp2(s - lse)`` is exactly 0 on
+   rows no slice covers; their delta and dO are taken as 0, so a NaN in an
+   uncovered row's dO or O cannot reach dQ) and stores both, laid out
+   ``(Hq, Tq)`` in one workspace; then it walks every slice and key tile that
+   the rows reach and writes dQ once. The grid covers every row of every head,
+   blocks with an empty window included, so every workspace entry is written.
+2. ``_bwd_dkdv_kernel``: key-block-major, launched after the dQ kernel (same
+   stream), reads delta and the scaled lse. A program owns ``BLOCK_N`` keys of
    one key/value head and walks, in the plan's canonical slice order, every
    slice that reaches those keys, every query head of the GQA group and every
    query tile of the slice's rows; it writes dK and dV once.
-3. ``_bwd_dq_kernel``: query-block-major. A program owns ``BLOCK_M`` rows of
-   one query head and walks every slice and key tile that the rows reach; it
-   writes dQ once.
 
 Each slice is processed on its own (a cell covered twice counts twice). Along
 the walked axis the tiles of one slice are laid out around the run of tiles
@@ -24,6 +28,7 @@ not on the order of the slice list nor on empty slices in it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -69,34 +74,6 @@ def _cast(x, dtype: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(dtype)
-
-
-# Sizes and head counts vary from call to call; specializing on them (== 1,
-# divisible by 16) would build a new kernel for each combination.
-@triton.jit(do_not_specialize=["Tq", "DV"])
-def _bwd_preprocess(
-    o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,
-    Tq, DV,
-    stride_ot, stride_oh, stride_dot, stride_doh,
-    stride_lt, stride_lh, stride_dlt, stride_dlh,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_DV)
-    mask_m = offs_m < Tq
-    mask = mask_m[:, None] & (offs_d[None, :] < DV)
-    rows = offs_m.to(tl.int64)
-    o = tl.load(o_ptr + pid_h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + pid_h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + pid_h * stride_dlh + rows * stride_dlt, mask=mask_m, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + pid_h * stride_lh + rows * stride_lt, mask=mask_m, other=0.0).to(tl.float32)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * DEV_LOG2E)
-    tl.store(delta_ptr + pid_h * Tq + offs_m, delta, mask=mask_m)
-    tl.store(lse2_ptr + pid_h * Tq + offs_m, lse2, mask=mask_m)
 
 
 @triton.jit
@@ -179,9 +156,11 @@ def _dkdv_tiles(
     return dk, dv
 
 
+# Sizes and head counts vary from call to call; specializing on them (== 1,
+# divisible by 16) would build a new kernel for each combination.
 @triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
 def _bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr,
     slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, Hkv, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -217,6 +196,9 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qk_scale2 = scale * DEV_LOG2E
 
+    # The workspace: delta, then lse * log2(e), (Hq, Tq) each (written by the dQ kernel).
+    lse2_ptr = ws_ptr + Hq.to(tl.int64) * Tq
+
     s_lo = tl.load(block_lo_ptr + pid_plan)
     s_hi = tl.load(block_hi_ptr + pid_plan)
     # One loop over (slice, query head of the group): a shallower loop nest
@@ -246,8 +228,8 @@ def _bwd_dkdv_kernel(
         h = (pid_hk * G + g).to(tl.int64)
         q_head_ptr = q_ptr + h * stride_qh
         do_head_ptr = do_ptr + h * stride_doh
+        delta_head_ptr = ws_ptr + h * Tq
         lse2_head_ptr = lse2_ptr + h * Tq
-        delta_head_ptr = delta_ptr + h * Tq
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_head_ptr, do_head_ptr, lse2_head_ptr, delta_head_ptr,
             f_lo, n_full, f_lo, n_full, m_lo, m_hi,
@@ -333,13 +315,15 @@ def _dq_tiles(
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr,
     slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
+    stride_dqt, stride_dqh,
     scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, IS_INT64: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IS_INT64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_BF16_EMULATED: tl.constexpr,
     IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -359,14 +343,25 @@ def _bwd_dq_kernel(
     hk = (pid_h // G).to(tl.int64)
     q = tl.load(q_ptr + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
                 mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(do_ptr + h * stride_doh + rows[:, None] * stride_dot + offs_dv[None, :],
-                 mask=mask_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    # Rows no slice covers (lse = -inf) and rows past Tq get lse = +inf: p = 0 there, whatever the
+    # tile. Their dO, O and dlse are not loaded (dO = 0, delta = 0), so a NaN in them cannot turn
+    # dS = 0 * (dP - delta) into NaN.
+    lse = tl.load(lse_ptr + h * stride_lh + rows * stride_lt, mask=mask_m, other=float("-inf")).to(tl.float32)
+    covered = lse != float("-inf")
+    lse2 = tl.where(covered, lse * DEV_LOG2E, float("inf"))
+    mask_do = covered[:, None] & (offs_dv[None, :] < DV)
+    do = tl.load(do_ptr + h * stride_doh + rows[:, None] * stride_dot + offs_dv[None, :], mask=mask_do, other=0.0)
+    o = tl.load(o_ptr + h * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :], mask=mask_do, other=0.0)
+    # The rows' delta, for this program and, through the workspace, for the dK/dV kernel launched after it.
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + h * stride_dlh + rows * stride_dlt, mask=covered, other=0.0).to(tl.float32)
+    # The workspace: delta, then lse * log2(e), (Hq, Tq) each.
+    tl.store(ws_ptr + h * Tq + offs_m, delta, mask=mask_m)
+    tl.store(ws_ptr + (Hq + h) * Tq + offs_m, lse2, mask=mask_m)
     if IS_BF16_EMULATED:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    # Rows past Tq get lse = +inf: p = 0 there, whatever the tile.
-    lse2 = tl.load(lse2_ptr + h * Tq + offs_m, mask=mask_m, other=float("inf"))
-    delta = tl.load(delta_ptr + h * Tq + offs_m, mask=mask_m, other=0.0)
     k_head_ptr = k_ptr + hk * stride_kh
     v_head_ptr = v_ptr + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -447,7 +442,12 @@ class BwdConfig:
 
 def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:
     """The launch shape used for head dims ``D``/``Dv`` and ``dtype`` on ``device``."""
-    if device.type != "cuda":
+    return _default_config(D, Dv, dtype, device.type == "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool) -> BwdConfig:
+    if not cuda:
         # The interpreter: small tiles, so that small test shapes still cross
         # several tiles, masked and unmasked.
         return BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
@@ -480,29 +480,92 @@ def range_attention_backward_triton(
     `v`: `(Tk, Hkv, Dv)`; `lse`: `(Tq, Hq)` float32 from the forward; `dlse`:
     optional `(Tq, Hq)` gradient of `lse`; `q_ranges`, `k_ranges`: `(S, 2)`
     int32; `mask_types`: `(S,)` int32. Returns `(dq, dk, dv)` in the dtypes of
-    `q, k, v`. Deterministic (no atomics), no host synchronisation, extra
-    memory O((Tq + Tk) * H + S). `plan`: the mask's
-    :class:`~flashrange.plan.RangePlan` (the forward's; built here when
+    `q, k, v`. Deterministic (no atomics), no host synchronisation, two kernel
+    launches (dQ, then dK/dV), extra memory O((Tq + Tk) * H + S). `plan`: the
+    mask's :class:`~flashrange.plan.RangePlan` (the forward's; built here when
     ``None``). `config` overrides :func:`default_config`.
     """
-    st = _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config)
-    if st is None:
+    _check_shapes(dout, q, k, v, out, lse, dlse)
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dv = v.shape
+    if Tq == 0 or Tk == 0 or Hq == 0 or D == 0 or Dv == 0 or mask_types.numel() == 0:
         return _zeros(q, k, v)
+    if config is None:
+        cfg = _default_config(D, Dv, q.dtype, q.device.type == "cuda")
+    elif isinstance(config, BwdConfig):
+        cfg = config
+    else:
+        raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
+    q_split, dq_meta, kv_split, dkdv_meta = _static_args(D, Dv, q.dtype, cfg, interpreting())
+    q, k, v, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout, out))
+    scale = resolve_scale(softmax_scale, D)
+    softcap = float(softcap)
+    has_softcap = softcap > 0.0
+    if not has_softcap:
+        softcap = 1.0  # never read; keeps the division in the kernels' dead branch finite
+    dev = q.device
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # Row offsets inside the tile loops stay int32 unless some operand they walk (q, dO: dK/dV; k, v: dQ)
+    # has an element offset, strides included (a view into a fused qkv buffer), that reaches 2**31. The
+    # per-program loads and stores (O, lse, dlse, dQ, dK, dV, the workspace) use 64-bit offsets always.
+    row64 = needs_int64(q, k, v, dout)
+    # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
+    ws = _workspace(Hq, Tq, dev)
+    has_dlse = dlse is not None
+    if not has_dlse:
+        dlse = lse  # never read
+    G = Hq // Hkv
+    # One stride() call per tensor (each is a call into torch).
+    sq, sk, sv, sdo, so, sl, sdl = (t.stride() for t in (q, k, v, dout, out, lse, dlse))
+    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
     # Triton launches on the current device; the inputs may live on another one.
-    other_device = q.device.type == "cuda" and q.device.index != torch.cuda.current_device()
-    with torch.cuda.device(q.device) if other_device else contextlib.nullcontext():
-        st.plan = plan if plan is not None else build_plan(q_ranges, k_ranges, mask_types, q.shape[0], k.shape[0])
-        _launch_preprocess(st)
-        _launch_dkdv(st)
-        _launch_dq(st)
-    return st.dq, st.dk, st.dv
+    other_device = dev.type == "cuda" and dev.index != torch.cuda.current_device()
+    with torch.cuda.device(dev) if other_device else contextlib.nullcontext():
+        if plan is None:
+            plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
+        launch(_bwd_dq_kernel, (plan.q_block_order.shape[0] * q_split * Hq,), (
+            q, k, v, dout, out, lse, dlse, ws, dq,
+            plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
+            Tq, Tk, Hq, G, D, Dv,
+            sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
+            sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1], sdq[0], sdq[1],
+            scale, softcap,
+            has_dlse, has_softcap, row64, *dq_meta,
+        ), num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+        launch(_bwd_dkdv_kernel, (plan.k_block_order.shape[0] * kv_split * Hkv,), (
+            q, k, v, dout, ws, dk, dv,
+            plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
+            Tq, Tk, Hq, Hkv, G, D, Dv,
+            sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
+            sdo[0], sdo[1], sdk[0], sdk[1], sdv[0], sdv[1],
+            scale, softcap,
+            has_softcap, row64, *dkdv_meta,
+        ), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+    return dq, dk, dv
 
 
-class _State:
-    """Everything the three launches share (tensors made contiguous, scalars, config)."""
+def _workspace(Hq, Tq, device):
+    """``(2, Hq, Tq)`` float32: delta, then lse * log2(e); every entry is written by the dQ kernel."""
+    return torch.empty(2, Hq, Tq, dtype=torch.float32, device=device)
 
-    __slots__ = ("dout", "q", "k", "v", "out", "lse", "dlse", "q_ranges", "k_ranges", "mask_types", "scale",
-                 "softcap", "cfg", "plan", "dq", "dk", "dv", "delta", "lse2", "row64", "emu_bf16", "dot_prec")
+
+@functools.lru_cache(maxsize=256)
+def _static_args(D, Dv, dtype, cfg, interp):
+    """``(SPLIT, constexprs)`` of the dQ kernel, then of the dK/dV kernel; constexprs: those after ``IS_INT64``.
+
+    They depend only on head dims, dtype, config and the interpreter, so they are worked out once.
+    """
+    emu_bf16 = dtype == torch.bfloat16 and interp
+    dot_prec = "ieee" if dtype == torch.float32 or emu_bf16 else "tf32"
+    block_d, block_dv = pad_dim(D), pad_dim(Dv)
+    # DOT_PRECISION, IS_BF16_EMULATED, IS_D_PADDED, IS_DV_PADDED, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV
+    common = (dot_prec, emu_bf16, block_d != D, block_dv != Dv)
+    q_split, kv_split = plan_split(cfg.q_block_m), plan_split(cfg.kv_block_n)
+    dq_meta = common + (q_split, cfg.q_block_m, cfg.q_block_n, block_d, block_dv)
+    dkdv_meta = common + (kv_split, cfg.kv_block_m, cfg.kv_block_n, block_d, block_dv)
+    return q_split, dq_meta, kv_split, dkdv_meta
 
 
 def _zeros(q, k, v):
@@ -511,8 +574,7 @@ def _zeros(q, k, v):
             torch.zeros_like(v, memory_format=torch.contiguous_format))
 
 
-def _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, config):
-    """Checks shapes and allocates outputs; ``None`` when there is nothing to compute."""
+def _check_shapes(dout, q, k, v, out, lse, dlse):
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (T, H, D), got shape {tuple(t.shape)}")
@@ -531,87 +593,3 @@ def _prepare(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_sc
             f"head dims up to {MAX_HEAD_DIM} (and Dv up to {MAX_HEAD_DIM_V} with D <= {WIDE_V_MAX_HEAD_DIM}) "
             f"are supported, got D={D}, Dv={Dv}"
         )
-    S = mask_types.reshape(-1).shape[0]
-    if Tq == 0 or Tk == 0 or Hq == 0 or S == 0 or D == 0 or Dv == 0:
-        return None
-
-    def last_dim_contiguous(t):
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    st = _State()
-    st.q, st.k, st.v, st.dout, st.out = (last_dim_contiguous(t) for t in (q, k, v, dout, out))
-    st.lse, st.dlse = lse, dlse
-    st.q_ranges, st.k_ranges, st.mask_types = q_ranges, k_ranges, mask_types
-    st.scale = resolve_scale(softmax_scale, D)
-    st.softcap = float(softcap)
-    dev = q.device
-    st.cfg = config if config is not None else default_config(D, Dv, q.dtype, dev)
-    if not isinstance(st.cfg, BwdConfig):
-        raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
-    st.dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    st.dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    st.dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    st.emu_bf16 = q.dtype == torch.bfloat16 and interpreting()
-    st.dot_prec = "ieee" if q.dtype == torch.float32 or st.emu_bf16 else "tf32"
-    # Row offsets stay int32 unless some operand's largest element offset (strides
-    # included: a view into a fused qkv buffer) reaches 2**31.
-    st.row64 = needs_int64(st.q, st.k, st.v, st.dout, st.dq, st.dk, st.dv)
-    st.delta = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
-    st.lse2 = torch.empty(Hq, Tq, dtype=torch.float32, device=dev)
-    return st
-
-
-def _launch_preprocess(st):
-    Tq, Hq, _ = st.q.shape
-    Dv = st.v.shape[2]
-    out, dout, lse, dlse = st.out, st.dout, st.lse, st.dlse
-    # Wide values: fewer rows per program keep the (rows, Dv) tiles in registers.
-    PRE_M = 64 if Dv <= 256 else 16
-    launch(_bwd_preprocess, (triton.cdiv(Tq, PRE_M), Hq), (
-        out, dout, lse, dlse if dlse is not None else lse, st.delta, st.lse2,
-        Tq, Dv,
-        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        lse.stride(0), lse.stride(1),
-        dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
-        dlse is not None, PRE_M, pad_dim(Dv),  # HAS_DLSE, BLOCK_M, BLOCK_DV
-    ))
-
-
-def _launch_dkdv(st):
-    q, k, v, dout, dk, dv, cfg = st.q, st.k, st.v, st.dout, st.dk, st.dv, st.cfg
-    Tq, Hq, D = q.shape
-    Tk, Hkv, Dv = v.shape
-    has_softcap = st.softcap > 0.0
-    plan, split = st.plan, plan_split(cfg.kv_block_n)
-    n_blocks = plan.k_block_order.shape[0] * split
-    launch(_bwd_dkdv_kernel, (n_blocks * Hkv,), (
-        q, k, v, dout, st.lse2, st.delta, dk, dv,
-        plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
-        Tq, Tk, Hq, Hkv, Hq // Hkv, D, Dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        st.scale, st.softcap if has_softcap else 1.0,
-        has_softcap, st.row64, st.dot_prec, st.emu_bf16,  # HAS_SOFTCAP, IS_INT64, DOT_PRECISION, IS_BF16_EMULATED
-        pad_dim(D) != D, pad_dim(Dv) != Dv, split,  # IS_D_PADDED, IS_DV_PADDED, SPLIT
-        cfg.kv_block_m, cfg.kv_block_n, pad_dim(D), pad_dim(Dv),
-    ), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
-
-
-def _launch_dq(st):
-    q, k, v, dout, dq, cfg = st.q, st.k, st.v, st.dout, st.dq, st.cfg
-    Tq, Hq, D = q.shape
-    Tk, Hkv, Dv = v.shape
-    has_softcap = st.softcap > 0.0
-    plan, split = st.plan, plan_split(cfg.q_block_m)
-    n_blocks = plan.q_block_order.shape[0] * split
-    launch(_bwd_dq_kernel, (n_blocks * Hq,), (
-        q, k, v, dout, st.lse2, st.delta, dq,
-        plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
-        Tq, Tk, Hq, Hq // Hkv, D, Dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-        st.scale, st.softcap if has_softcap else 1.0,
-        has_softcap, st.row64, st.dot_prec, st.emu_bf16,
-        pad_dim(D) != D, pad_dim(Dv) != Dv, split,
-        cfg.q_block_m, cfg.q_block_n, pad_dim(D), pad_dim(Dv),
-    ), num_warps=cfg.q_warps, num_stages=cfg.q_stages)
