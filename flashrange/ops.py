@@ -4,7 +4,7 @@ Four ops carry everything (docs/design.md §4, §7):
 
 - ``flashrange::plan(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan`` (8 int32 tensors)
 - ``flashrange::fwd(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap) -> (out, lse)``
-- ``flashrange::bwd(dout, dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
+- ``flashrange::bwd(dout, dlse?, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan, softmax_scale, softcap)
   -> (dq, dk, dv)``
 - ``flashrange::fwd_max_logits``: ``fwd``'s arguments ``-> (out, lse, max_logits)``, the same
   attention plus each head's largest score (not differentiable; same backward).
@@ -121,7 +121,7 @@ def _fwd_fake(q, k, v, q_ranges, k_ranges, mask_types, plan, softmax_scale, soft
 @torch.library.custom_op("flashrange::bwd", mutates_args=())
 def bwd(
     dout: torch.Tensor,
-    dlse: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -214,10 +214,9 @@ def _gradients(bwd_fn, saved, dout, dlse, softmax_scale, softcap):
     q, k, v, out, lse, q_ranges, k_ranges, mask_types, *plan_tensors = saved
     if dout is None:
         dout = torch.zeros_like(out)
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
+    # No gradient through lse (the usual case): None, and the kernels skip that term.
     return bwd_fn(
-        dout.contiguous(), dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
+        dout.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
         softmax_scale, softcap,
     )
 

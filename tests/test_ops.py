@@ -178,3 +178,19 @@ def test_opcheck_non_contiguous_inputs(layout):
     torch.library.opcheck(
         torch.ops.flashrange.bwd.default, (dout, dlse, q, k, v, out, lse, qr, kr, mt, _plan(qr, kr, mt, q, k), 0.3, 0.0), test_utils=ALL_TESTS
     )
+
+
+def test_bwd_op_without_dlse_equals_zero_dlse():
+    """``dlse`` is optional in the schema: None (no gradient through lse) is the zero gradient, and passes opcheck."""
+    q, k, v, qr, kr, mt = _inputs(21, 27, 4, 2, 8, 8, 5, 2, 78, False)
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, 0.3, 0.0)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    plan = _plan(qr, kr, mt, q, k)
+    without = torch.ops.flashrange.bwd(dout, None, q, k, v, out, lse, qr, kr, mt, plan, 0.3, 0.0)
+    zero = torch.ops.flashrange.bwd(dout, torch.zeros_like(lse), q, k, v, out, lse, qr, kr, mt, plan, 0.3, 0.0)
+    for a, b in zip(without, zero):
+        assert torch.equal(a, b)
+    torch.library.opcheck(
+        torch.ops.flashrange.bwd.default, (dout, None, q, k, v, out, lse, qr, kr, mt, plan, 0.3, 0.0),
+        test_utils=ALL_TESTS,
+    )
