@@ -5,8 +5,11 @@ import random
 import pytest
 import torch
 
+import flashrange.kernels.plan as triton_plan
+from flashrange.constants import CAUSAL, PLAN_BLOCK
+from flashrange.kernels.plan import SMALL_PLAN_BLOCKS, SMALL_PLAN_SLICES
 from flashrange.kernels.plan import build_block_plan as build_plan
-from flashrange.plan import build_block_plan_torch
+from flashrange.plan import RangePlan, build_block_plan_torch
 from golden import dense_counts
 
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton-interpreter")]
@@ -133,20 +136,152 @@ def test_unknown_backend_is_rejected():
         build_plan(z, z, torch.zeros(1, dtype=torch.int32), 4, 4, 16, backend="cuda")
 
 
-def test_triton_plan_sort_path_equals_counting_path(monkeypatch):
-    """Past RANK_BY_COUNTING_MAX slices the Triton plan ranks by sorting; the plan must not change."""
-    import flashrange.kernels.plan as triton_plan
+def _assert_plans_equal(qr, kr, mt, Tq, Tk, block=PLAN_BLOCK, what=""):
+    """The Triton plan (both halves) equals the torch plan, bit for bit; returns the Triton plan."""
+    want = [*build_block_plan_torch(qr, kr, mt, Tq, Tk, block),
+            *build_block_plan_torch(qr, kr, mt, Tq, Tk, block, transpose=True)]
+    got = triton_plan.build_plan_triton(qr, kr, mt, Tq, Tk, block)
+    for name, x, y in zip(RangePlan._fields, want, got):
+        assert torch.equal(x, y), (what, name)
+    return got
 
-    rng = random.Random(23)
-    cases = [_random_slices(rng, rng.randint(1, 200), rng.randint(1, 200), rng.randint(1, 40), garbage=g)
-             for g in (False, True, False)]
-    for qr, kr, mt in cases:
-        Tq = int(qr.clamp(min=0).max()) + 3
-        Tk = int(kr.clamp(min=0).max()) + 5
-        for transpose in (False, True):
-            counting = build_plan(qr, kr, mt, Tq, Tk, 16, transpose=transpose, backend="triton")
-            monkeypatch.setattr(triton_plan, "RANK_BY_COUNTING_MAX", 0)
-            sorting = build_plan(qr, kr, mt, Tq, Tk, 16, transpose=transpose, backend="triton")
-            monkeypatch.undo()
-            for name, x, y in zip(counting._fields, counting, sorting):
-                assert torch.equal(x, y), (transpose, name)
+
+def _documents(T, n, seed):
+    """``n`` causal documents tiling ``[0, T)`` in token order: slices in canonical order."""
+    rng = random.Random(seed)
+    bounds = [0] + sorted(rng.sample(range(1, T), n - 1)) + [T]
+    r = torch.tensor([bounds[:-1], bounds[1:]], dtype=torch.int32).T.contiguous()
+    return r, r.clone(), torch.full((n,), CAUSAL, dtype=torch.int32)
+
+
+def _launches(monkeypatch):
+    """Record the names of the kernels the Triton plan launches (the launches still run)."""
+    names = []
+    real = triton_plan.launch
+
+    def record(kernel, grid, args, **kw):
+        names.append(kernel.fn.__name__)
+        real(kernel, grid, args, **kw)
+
+    monkeypatch.setattr(triton_plan, "launch", record)
+    return names
+
+
+@pytest.mark.parametrize("chunk,fan_in", [(128, 64), (8, 2), (4, 4)], ids=["default", "chunk8-fan2", "chunk4-fan4"])
+def test_general_path_equals_torch_plan_fuzz(monkeypatch, chunk, fan_in):
+    """The many-slot path forced on small inputs; small chunks and fan-ins give many merge levels,
+    runs cut anywhere, chunks with one class only, and runs sorted or not."""
+    monkeypatch.setattr(triton_plan, "SMALL_PLAN_SLICES", -1)
+    monkeypatch.setattr(triton_plan, "_BLOCK_C", chunk)
+    monkeypatch.setattr(triton_plan, "_BLOCK_F", fan_in)
+    rng = random.Random(chunk * 100 + fan_in)
+    for it in range(8):
+        Tq, Tk = rng.randint(1, 300), rng.randint(1, 300)
+        S = rng.choice([0, 1, 3, rng.randint(0, 120)])
+        qr, kr, mt = _random_slices(rng, Tq, Tk, S, garbage=bool(it % 2))
+        if it % 3 == 0 and S >= 2:  # duplicated slices: ties in the key, across runs
+            h = S // 2
+            qr[:h], kr[:h], mt[:h] = qr[S - h:].clone(), kr[S - h:].clone(), mt[S - h:].clone()
+        if it % 4 == 2 and S >= 2:  # already in canonical order: the sorted shortcut
+            s = build_block_plan_torch(qr, kr, mt, Tq, Tk).slices
+            qr, kr, mt = s[:, 0:2].contiguous(), s[:, 2:4].contiguous(), s[:, 4].contiguous()
+        _assert_plans_equal(qr, kr, mt, Tq, Tk, (16, 64)[it % 2], what=it)
+
+
+def test_general_path_invalid_slots_keep_slot_order_on_key_ties(monkeypatch):
+    """Never-visited slots sort by (major end, minor end, type) and then by slot, not by their other
+    bounds: slots equal in that key but not in their rows must stay in slot order through every merge."""
+    monkeypatch.setattr(triton_plan, "SMALL_PLAN_SLICES", -1)
+    monkeypatch.setattr(triton_plan, "_BLOCK_C", 4)
+    monkeypatch.setattr(triton_plan, "_BLOCK_F", 2)
+    rng = random.Random(17)
+    rows = []
+    for i in range(90):
+        if i % 7 == 3:
+            a = rng.randrange(0, 50)
+            rows.append([a, a + 5, a, a + 5, CAUSAL])
+        else:  # empty: qs >= qe, same (qe, ke, type) for many, different qs and ks
+            rows.append([rng.randrange(30, 40), 30, rng.randrange(0, 60), rng.choice([20, 25]), rng.choice([0, 9])])
+    t = torch.tensor(rows, dtype=torch.int32)
+    _assert_plans_equal(t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous(), 60, 64, 16)
+
+
+def test_many_documents_in_order_and_shuffled():
+    """More than 8192 valid slices at a real size (no patched threshold): documents in canonical
+    order (the sorted shortcut), then shuffled among garbage slots (merging); same valid slices."""
+    T, n = 16900, 8450
+    qr, kr, mt = _documents(T, n, seed=1)
+    ordered = _assert_plans_equal(qr, kr, mt, T, T, what="in order")
+    g = torch.Generator().manual_seed(2)
+    junk = 300
+    jq = torch.randint(-9, T + 9, (junk, 2), generator=g, dtype=torch.int32)
+    jk = torch.randint(-9, T + 9, (junk, 2), generator=g, dtype=torch.int32)
+    jt = torch.randint(-2, 6, (junk,), generator=g, dtype=torch.int32)
+    jt[jq[:, 1] > jq[:, 0]] = 7  # unknown type wherever the query range is not empty: all invalid
+    perm = torch.randperm(n + junk, generator=g)
+    qr2, kr2, mt2 = (torch.cat([a, b])[perm].contiguous() for a, b in ((qr, jq), (kr, jk), (mt, jt)))
+    shuffled = _assert_plans_equal(qr2, kr2, mt2, T, T, what="shuffled")
+    assert torch.equal(shuffled.q_slices[:n], ordered.q_slices)
+    assert torch.equal(shuffled.k_slices[:n], ordered.k_slices)
+    assert bool((shuffled.q_slices[n:, 4] == -1).all())
+    for name in ("q_block_lo", "q_block_hi", "q_block_order", "k_block_lo", "k_block_hi", "k_block_order"):
+        assert torch.equal(getattr(shuffled, name), getattr(ordered, name)), name
+
+
+@pytest.mark.parametrize("layout", ["first", "scattered", "varied-padding"])
+def test_many_empty_slots_few_valid(layout):
+    """16384 slots of which 64 are documents: padding after them, scattered among them, or
+    padding that differs from slot to slot (empty ranges at every position, some unknown types)."""
+    T = S = 16384
+    qr, kr, mt = _documents(T, 64, seed=3)
+    pq = torch.zeros(S, 2, dtype=torch.int32)
+    pk = torch.zeros(S, 2, dtype=torch.int32)
+    pm = torch.zeros(S, dtype=torch.int32)
+    if layout == "varied-padding":
+        t = torch.arange(S, dtype=torch.int32)
+        pq[:, 0], pq[:, 1], pk[:, 0], pk[:, 1] = t, t, (t * 7) % T, (t * 7) % T
+        pm[:] = (t % 5).to(torch.int32)
+    where = list(range(64)) if layout == "first" else sorted(random.Random(4).sample(range(S), 64))
+    pq[where], pk[where], pm[where] = qr, kr, mt
+    plan = _assert_plans_equal(pq, pk, pm, T, T, what=layout)
+    assert int((plan.q_slices[:, 4] >= 0).sum()) == 64
+
+
+@pytest.mark.parametrize("S,T", [(SMALL_PLAN_SLICES, SMALL_PLAN_BLOCKS * PLAN_BLOCK),
+                                 (SMALL_PLAN_SLICES + 1, 3000),
+                                 (40, SMALL_PLAN_BLOCKS * PLAN_BLOCK + 1)],
+                         ids=["small-at-limits", "one-slot-over", "one-block-over"])
+def test_single_launch_limits(monkeypatch, S, T):
+    """One launch up to the small-plan limits; past the block limit the two block launches follow, past
+    the slot limit the many-slot path runs; equal plans."""
+    names = _launches(monkeypatch)
+    rng = random.Random(S + T)
+    qr, kr, mt = _random_slices(rng, T, T, S, garbage=True)
+    _assert_plans_equal(qr, kr, mt, T, T, what=(S, T))
+    blocks = ["_scan_blocks_kernel", "_order_blocks_kernel"]
+    if S > SMALL_PLAN_SLICES:
+        assert names == ["_count_kernel", "_partition_kernel", "_merge_kernel", *blocks]
+    elif T > SMALL_PLAN_BLOCKS * PLAN_BLOCK:
+        assert names == ["_plan_small_kernel", *blocks]
+    else:
+        assert names == ["_plan_small_kernel"]
+
+
+def test_few_slices_many_blocks_fuzz(monkeypatch):
+    """Slots ranked by one program, then the block launches (many blocks), forced on small inputs."""
+    monkeypatch.setattr(triton_plan, "SMALL_PLAN_BLOCKS", 0)
+    rng = random.Random(29)
+    for it in range(10):
+        Tq, Tk = rng.randint(1, 400), rng.randint(1, 400)
+        qr, kr, mt = _random_slices(rng, Tq, Tk, rng.choice([0, 1, rng.randint(0, 60)]), garbage=bool(it % 2))
+        _assert_plans_equal(qr, kr, mt, Tq, Tk, (16, 32)[it % 2], what=it)
+
+
+def test_launch_count_grows_with_merge_levels_only(monkeypatch):
+    """Past one merge level's reach (64 runs of two per 128-slot chunk) one more merge launch."""
+    names = _launches(monkeypatch)
+    S = 4097
+    qr, kr, mt = _documents(8200, S, seed=5)
+    triton_plan.build_plan_triton(qr, kr, mt, 8200, 8200)
+    assert names == ["_count_kernel", "_partition_kernel", "_merge_kernel", "_merge_kernel", "_scan_blocks_kernel",
+                     "_order_blocks_kernel"]

@@ -1,0 +1,161 @@
+"""GPU time of ``flashrange.plan_mask`` for a few masks, eager and inside a CUDA graph.
+
+    python scripts/plan_cost.py               (CUDA required; well under a minute)
+    python scripts/plan_cost.py --profile     (also the per-kernel table of each case)
+
+Per case: the Triton plan is compared with ``build_plan_torch`` (bitwise),
+then timed with CUDA events: the median over many eager calls (the host's
+launch gaps included, as a caller sees them), the median over many replays
+of a CUDA graph that captured the call (GPU work alone), and the host time per
+eager call. Masks at 131072 tokens unless named.
+"""
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Run from anywhere without an installed flashrange: the repository's own copy.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _docs(T, n, seed):
+    """``n`` causal documents tiling ``[0, T)`` in token order (seeded lengths, each at least 1)."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, T), n - 1))
+    b = [0] + cuts + [T]
+    r = torch.tensor([[b[i], b[i + 1]] for i in range(n)], dtype=torch.int32)
+    return r, r.clone(), torch.ones(n, dtype=torch.int32)
+
+
+def _two_token_docs(T):
+    r = torch.arange(0, T, 2, dtype=torch.int32).repeat_interleave(2).view(-1, 2) + torch.tensor([0, 2])
+    r = r.to(torch.int32)
+    return r, r.clone(), torch.ones(r.shape[0], dtype=torch.int32)
+
+
+def _padded(T, n_valid, slots, scatter, seed):
+    """``n_valid`` documents in ``slots`` slots; the others ``[0, 0)`` FULL, after them or scattered among them."""
+    qr, kr, mt = _docs(T, n_valid, seed)
+    pq = torch.zeros(slots, 2, dtype=torch.int32)
+    pk = torch.zeros(slots, 2, dtype=torch.int32)
+    pm = torch.zeros(slots, dtype=torch.int32)
+    where = sorted(random.Random(seed).sample(range(slots), n_valid)) if scatter else list(range(n_valid))
+    pq[where], pk[where], pm[where] = qr, kr, mt
+    return pq, pk, pm
+
+
+def _shuffled(qr, kr, mt, seed):
+    perm = torch.randperm(mt.shape[0], generator=torch.Generator().manual_seed(seed))
+    return qr[perm].contiguous(), kr[perm].contiguous(), mt[perm].contiguous()
+
+
+def _random_slices(T, S, seed):
+    """Seeded random slices of every type, as the bench's plan-cost table."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, T, (S, 2), generator=g).sort(1).values.to(torch.int32)
+    b = torch.randint(0, T, (S, 2), generator=g).sort(1).values.to(torch.int32)
+    return a, b, torch.randint(0, 4, (S,), generator=g, dtype=torch.int32)
+
+
+def cases():
+    T = 131072
+    return [
+        ("causal 1k, 1 slice", 1024, (torch.tensor([[0, 1024]], dtype=torch.int32),
+                                      torch.tensor([[0, 1024]], dtype=torch.int32),
+                                      torch.ones(1, dtype=torch.int32))),
+        ("64 random slices", T, _random_slices(T, 64, 1)),
+        ("4096 docs", T, _docs(T, 4096, 2)),
+        ("4096 random slices", T, _random_slices(T, 4096, 3)),
+        ("65536 docs (2 tokens each)", T, _two_token_docs(T)),
+        ("65536 docs, shuffled", T, _shuffled(*_two_token_docs(T), seed=4)),
+        ("65536 random slices", T, _random_slices(T, 65536, 5)),
+        ("131072 slots, 64 docs first", T, _padded(T, 64, 131072, False, 6)),
+        ("131072 slots, 64 docs scattered", T, _padded(T, 64, 131072, True, 7)),
+    ]
+
+
+def _events_median(fn, reps):
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--profile", action="store_true", help="print each case's per-kernel CUDA time")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("plan_cost.py needs CUDA")
+    import flashrange
+    from flashrange.plan import build_plan_torch
+
+    dev = torch.device("cuda")
+    rows = []
+    for name, T, (qr, kr, mt) in cases():
+        qr, kr, mt = qr.to(dev), kr.to(dev), mt.to(dev)
+
+        def call():
+            return flashrange.plan_mask(qr, kr, mt, T, T)
+
+        plan = call()
+        want = build_plan_torch(qr, kr, mt, T, T)
+        same = all(torch.equal(x, y) for x, y in zip(plan, want))
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        eager = _events_median(call, args.reps)
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            call()
+        host = (time.perf_counter() - t0) / args.reps * 1e6
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        same = same and all(torch.equal(x, y) for x, y in zip(captured, want))
+        replay = _events_median(graph.replay, args.reps)
+        n_valid = int(((qr[:, 1] > qr[:, 0]) & (kr[:, 1] > kr[:, 0])).sum())
+        rows.append((name, T, mt.shape[0], n_valid, eager, replay, host, same))
+        print(f"done: {name}", file=sys.stderr, flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    graph.replay()
+                torch.cuda.synchronize()
+            print(f"--- {name} (5 graph replays)")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        del graph, captured
+    print()
+    print(f"{'mask':34s} {'T':>7s} {'slots':>7s} {'valid':>7s} {'eager GPU us':>13s} {'graph us':>9s} "
+          f"{'host us':>8s}  equal")
+    for name, T, S, n_valid, eager, replay, host, same in rows:
+        print(f"{name:34s} {T:7d} {S:7d} {n_valid:7d} {eager:13.1f} {replay:9.1f} {host:8.1f}  "
+              f"{'yes' if same else 'NO'}")
+    if not all(r[-1] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
