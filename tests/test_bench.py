@@ -291,3 +291,24 @@ def test_sweep_smoke(tmp_path, capsys):
     assert case["fwd"] and case["bwd"] and all(r["time"] and r["err"] <= 2e-2 for r in case["fwd"] + case["bwd"])
     assert {b["direction"] for b in sweep["best"]} == {"fwd", "bwd"}
     assert "Best per head dim" in capsys.readouterr().out
+
+
+def test_host_sync_report_ignores_the_prototype_notice(monkeypatch):
+    """Only PyTorch's per-sync warning counts as a host sync, not the notice that the mode is a prototype."""
+    import warnings
+
+    from flashrange.bench import runner
+
+    def set_mode(mode):
+        if mode:
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations")
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    assert runner._host_syncs(lambda: None) == []
+
+    def syncing():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    assert runner._host_syncs(syncing) == ["called a synchronizing CUDA operation"]
