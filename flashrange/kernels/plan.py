@@ -675,10 +675,11 @@ def _merge_levels(S):
 def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK):
     """:class:`~flashrange.plan.RangePlan` from the Triton launches; equal to the plain-PyTorch plan."""
     dev = q_ranges.device
-    qr = q_ranges.reshape(-1, 2).contiguous()
-    kr = k_ranges.reshape(-1, 2).contiguous()
-    mt = mask_types.reshape(-1).contiguous()
-    S = mt.shape[0]
+    # The checked (S, 2) / (S,) inputs are usually contiguous already: one call instead of two each.
+    qr = q_ranges if q_ranges.is_contiguous() else q_ranges.reshape(-1, 2).contiguous()
+    kr = k_ranges if k_ranges.is_contiguous() else k_ranges.reshape(-1, 2).contiguous()
+    mt = mask_types if mask_types.is_contiguous() else mask_types.reshape(-1).contiguous()
+    S = mt.numel()
     nq, nk = -(-Tq // block), -(-Tk // block)
     i32 = torch.int32
     q_slices = torch.empty(S, 5, dtype=i32, device=dev)
