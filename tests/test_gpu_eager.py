@@ -111,9 +111,14 @@ def test_recorded_launch_follows_alignment_and_strides(offset):
     wide = torch.zeros(q.shape[0], q.shape[1], 136, device=DEV, dtype=q.dtype)
     q_wide = wide[:, :, :128].copy_(q)
     for variant in (q_off, q_wide):
-        for _ in range(2):
-            out, lse = flashrange.range_attention(variant, k, v, qr, kr, mt, plan=plan)
-            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+        # The first call goes through the JIT (and records), the second takes the record:
+        # the same kernel, so the same bits. A handle reused from the aligned input would
+        # read misaligned tiles through TMA: far from the values, or a fault.
+        first, second = (flashrange.range_attention(variant, k, v, qr, kr, mt, plan=plan) for _ in range(2))
+        assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+        # Pointer tiles instead of TMA ones may round differently, never by more than bf16 noise.
+        torch.testing.assert_close(first[0].float(), ref[0].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(first[1], ref[1], atol=1e-3, rtol=1e-3)
 
 
 def test_recorded_launch_with_max_logits_and_softcap_match_jit_path():
