@@ -156,7 +156,7 @@ def run_compiled(handle, grid, args, device=None):
     handle.run(grid[0], g1, g2, stream, handle.function, handle.packed_metadata, meta, enter, leave, *args)
 
 
-def launch(kernel, grid, args, num_warps=4, num_stages=None, key=None):
+def launch(kernel, grid, args, num_warps=4, num_stages=None):
     """Launch ``kernel[grid](*args)``; repeated launches go straight to the compiled handle.
 
     ``args`` lists every parameter of the kernel in order, constexprs included.
@@ -166,19 +166,17 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, key=None):
     launcher directly, as Inductor's generated code does. The cache key holds
     everything that can change the kernel Triton picks (dtypes, 16-byte
     alignment of pointers, integer properties, constexpr values), so a reused
-    handle is always the one Triton would have picked. A caller that knows
-    what determines its kernel's specialization may pass that as ``key``
-    (cheaper than reading every argument). Under the interpreter, or on a
-    Triton without ``triton.knobs``, every launch takes the JIT path.
+    handle is always the one Triton would have picked. Under the interpreter,
+    or on a Triton without ``triton.knobs``, every launch takes the JIT path.
     """
     if not fast_launch_enabled():
         jit_launch(kernel, grid, args, num_warps, num_stages)
         return
     device = torch.cuda.current_device()
-    full_key = (kernel, device, num_warps, num_stages, _cache_key(kernel, args) if key is None else key)
-    handle = _HANDLES.get(full_key)
+    key = (kernel, device, num_warps, num_stages, _cache_key(kernel, args))
+    handle = _HANDLES.get(key)
     if handle is None:
-        _HANDLES[full_key] = jit_launch(kernel, grid, args, num_warps, num_stages)
+        _HANDLES[key] = jit_launch(kernel, grid, args, num_warps, num_stages)
         return
     run_compiled(handle, grid, args, device)
 
