@@ -19,7 +19,7 @@ from flashrange import ops, reference
 from flashrange.interface import merge_sink
 from golden import assert_sink_three_way, assert_three_way, dense_attention, dense_counts
 from test_max_logits import golden_max_logits
-from test_sinks import attention_function, golden_sink_attention
+from test_sinks import attention_function, golden_sink_attention, replay_function
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -52,6 +52,8 @@ def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed):
 
 # The reference (plain torch, here on the GPU) as an autograd function: the yardstick of the three-way rule.
 _RefAttention = attention_function(reference.range_attention_forward, reference.range_attention_backward)
+# The reference backward on given forward outputs (the kernels'): the yardstick of the sink gradients.
+_RefReplay = replay_function(reference.range_attention_backward)
 
 
 def _grads(fn, leaves, dout, dlse):
@@ -67,14 +69,20 @@ def _grads(fn, leaves, dout, dlse):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sinks_kernels_three_way(dtype):
-    """Packed causal documents, a sliding band over them, uncovered rows; two sinks per head; GQA 4."""
+    """Packed causal documents, a sliding band over them, uncovered rows; two sinks per head; GQA 4.
+
+    The reference's gradients come from its backward on the kernels' forward outputs (``replay_function``;
+    why: :func:`golden.assert_sink_three_way`), its out and lse from its own forward.
+    """
     T, Hq, Hkv, D = 1536, 8, 2, 128
     q, k, v, dout, dlse = _inputs(T, T, Hq, Hkv, D, D, dtype, seed=1)
     sink = torch.randn(2, Hq, device=DEV, generator=torch.Generator(device=DEV).manual_seed(2)) * 2
-    rows = _docs(T, 5, seed=3, uncovered=100) + [(200, 900, 150, 800, BI_CAUSAL), (0, 0, 0, 0, FULL)]
+    # The band: keys [i - 50, i + 50] of rows 200..899 (BI_CAUSAL needs Lk >= Lq, or it covers nothing).
+    rows = _docs(T, 5, seed=3, uncovered=100) + [(200, 900, 150, 1000, BI_CAUSAL), (0, 0, 0, 0, FULL)]
     qr, kr, mt = _ranges(rows)
     scale = D ** -0.5
     counts = dense_counts(qr.cpu(), kr.cpu(), mt.cpu(), T, T).to(DEV)
+    assert int(counts.max()) == 2 and not counts[T - 100:].any()  # overlaps, uncovered rows
 
     def golden(q, k, v, s):
         return golden_sink_attention(q, k, v, counts, s, scale)
@@ -84,12 +92,17 @@ def test_sinks_kernels_three_way(dtype):
         lambda q, k, v, s: flashrange.range_attention(q, k, v, qr, kr, mt, softmax_scale=scale, sink=s),
         (q, k, v, sink), dout, dlse,
     )
-    ref = _grads(
-        lambda q, k, v, s: merge_sink(*_RefAttention.apply(q, k, v, qr, kr, mt, scale), s),
+    with torch.no_grad():
+        out_k, lse_k = flashrange.range_attention(q, k, v, qr, kr, mt, softmax_scale=scale)  # the same forward
+        merged = merge_sink(out_k, lse_k, sink)
+        assert torch.equal(merged[0], got[0]) and torch.equal(merged[1], got[1])
+        ref_out, ref_lse = merge_sink(*reference.range_attention_forward(q, k, v, qr, kr, mt, scale), sink)
+    ref_grads = _grads(
+        lambda q, k, v, s: merge_sink(*_RefReplay.apply(q, k, v, out_k, lse_k, qr, kr, mt, scale), s),
         (q, k, v, sink), dout, dlse,
-    )
+    )[2]
     assert torch.isfinite(got[1]).all()
-    assert_sink_three_way(got, ref, gold, dsink_atol=1e-4)
+    assert_sink_three_way(got, (ref_out, ref_lse, ref_grads), gold, dsink_atol=1e-4)
 
 
 def test_sinks_eager_path_equals_ops_bitwise():
