@@ -391,3 +391,64 @@ def test_many_slice_plan_path():
     two_docs = range_attention_forward(q, k, v, docs, docs.clone(), torch.full((2,), CAUSAL, dtype=torch.int32), 0.25)
     ref = range_attention_forward(q, k, v, qr, kr, mt, 0.25)
     assert torch.equal(ref[0], two_docs[0]) and torch.equal(ref[1], two_docs[1])
+
+
+@pytest.mark.parametrize("max_logits", [False, True], ids=["plain", "max-logits"])
+def test_recorded_launch_passes_the_recorded_call_arguments(monkeypatch, max_logits):
+    """A repeated call (docs/design.md §6) launches with exactly the arguments of the call it recorded.
+
+    The recording only happens on a GPU outside the interpreter, so the dispatcher is stood in for:
+    ``_launch`` records through ``jit_launch``, and ``_recorded_args`` (what the repeated call passes
+    to the compiled kernel) must rebuild the same argument list for the same tensors.
+    """
+    import flashrange
+    from flashrange.kernels import forward as fwd_mod
+
+    launched = []
+
+    def fake_jit_launch(kernel, grid, args, num_warps, num_stages):
+        launched.append((grid, args))
+        return "compiled-kernel"
+
+    monkeypatch.setattr(fwd_mod, "jit_launch", fake_jit_launch)
+    monkeypatch.setattr(fwd_mod, "_RECIPES", {})
+    q = torch.randn(70, 4, 32)
+    k = torch.randn(90, 2, 32)
+    v = torch.randn(90, 2, 48)
+    qr = torch.tensor([[0, 70], [10, 10]], dtype=torch.int32)
+    kr = torch.tensor([[0, 90], [3, 3]], dtype=torch.int32)
+    mt = torch.tensor([1, 0], dtype=torch.int32)
+    plan = flashrange.plan_mask(qr, kr, mt, 70, 90)
+    out = torch.empty(70, 4, 48)
+    lse = torch.empty(70, 4)
+    rowmax = torch.empty(70, 4) if max_logits else None
+    config = fwd_mod._BY_NAME["cpu_m32_n16"]
+    fwd_mod._launch(q, k, v, out, lse, rowmax, plan, 0.3, 2.0, config, fwd_mod.plan_split(config.BLOCK_M),
+                    False, False, "the-signature")
+    (grid, args), = launched
+    recipe = fwd_mod._RECIPES["the-signature"]
+    assert recipe.handle == "compiled-kernel" and recipe.grid == grid and recipe.head_dim_v == 48
+    again = fwd_mod._recorded_args(recipe, q, k, v, out, lse, rowmax, plan)
+    assert len(again) == len(args)
+    for a, b in zip(again, args):
+        assert a is b if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b)
+
+
+def test_recorded_launches_are_bounded(monkeypatch):
+    """The record of call signatures is cleared when full: shapes that change every step cannot grow it forever."""
+    import flashrange
+    from flashrange.kernels import forward as fwd_mod
+
+    monkeypatch.setattr(fwd_mod, "jit_launch", lambda *a: "compiled-kernel")
+    monkeypatch.setattr(fwd_mod, "_RECIPES", {})
+    monkeypatch.setattr(fwd_mod, "_MAX_RECIPES", 3)
+    config = fwd_mod._BY_NAME["cpu_m32_n16"]
+    for T in range(17, 27):
+        q = torch.randn(T, 1, 16)
+        qr = torch.tensor([[0, T]], dtype=torch.int32)
+        mt = torch.tensor([0], dtype=torch.int32)
+        plan = flashrange.plan_mask(qr, qr, mt, T, T)
+        fwd_mod._launch(q, q, q, torch.empty_like(q), torch.empty(T, 1), None, plan, 0.25, 0.0, config,
+                        fwd_mod.plan_split(config.BLOCK_M), False, False, ("sig", T))
+        assert 1 <= len(fwd_mod._RECIPES) <= 3
+        assert ("sig", T) in fwd_mod._RECIPES

@@ -489,6 +489,11 @@ class _Recipe(NamedTuple):
     head_dim_v: int
 
 
+def _recorded_args(recipe, q, k, v, out, lse, rowmax, plan):
+    """A recorded call's launch arguments: this call's tensors, then the recorded tail (see :func:`_launch`)."""
+    return (q, k, v, out, lse, lse if rowmax is None else rowmax, plan[0], plan[1], plan[2], plan[3]) + recipe.tail
+
+
 def _signature(q, k, v, plan, softmax_scale, softcap, config, return_max_logits):
     """Everything the launch derives its arguments and its Triton specialization from.
 
@@ -537,9 +542,7 @@ def range_attention_forward_triton(
             out = torch.empty(Tq, Hq, recipe.head_dim_v, dtype=q.dtype, device=q.device)
             lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
             rowmax = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device) if return_max_logits else None
-            run_compiled(recipe.handle, recipe.grid, (
-                q, k, v, out, lse, lse if rowmax is None else rowmax, plan[0], plan[1], plan[2], plan[3],
-            ) + recipe.tail, device)
+            run_compiled(recipe.handle, recipe.grid, _recorded_args(recipe, q, k, v, out, lse, rowmax, plan), device)
             return _with_max_logits(out, lse, rowmax)
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
