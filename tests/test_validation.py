@@ -528,3 +528,68 @@ def test_launch_signature_sees_what_changes_the_launch(change):
     elif change == "heads":
         args[0] = torch.randn(37, 1, 16)
     assert _signature(*args) != base
+
+
+def _qkv_variants():
+    f32 = torch.float32
+    yield "ok", torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 3)
+    yield "ok-mqa", torch.randn(5, 4, 8), torch.randn(6, 1, 8), torch.randn(6, 1, 8)
+    yield "q-2d", torch.randn(5, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    yield "v-4d", torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(1, 6, 2, 8)
+    yield "int-q", torch.ones(5, 4, 8, dtype=torch.int32), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    yield "dtypes", torch.randn(5, 4, 8, dtype=torch.float64), torch.randn(6, 2, 8, dtype=f32), torch.randn(6, 2, 8)
+    yield "head-dim", torch.randn(5, 4, 8), torch.randn(6, 2, 9), torch.randn(6, 2, 8)
+    yield "kv-len", torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(7, 2, 8)
+    yield "kv-heads", torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 1, 8)
+    yield "gqa-ratio", torch.randn(5, 3, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    yield "zero-kv-heads", torch.randn(5, 3, 8), torch.randn(6, 0, 8), torch.randn(6, 0, 8)
+    yield "not-tensor", [[1.0]], torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    yield "numpy", torch.randn(5, 4, 8).numpy(), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+
+
+def _ranges_variants():
+    i32 = torch.int32
+    good = torch.zeros(3, 2, dtype=i32), torch.zeros(3, 2, dtype=i32), torch.zeros(3, dtype=i32)
+    yield "ok", good
+    yield "empty", (torch.zeros(0, 2, dtype=i32), torch.zeros(0, 2, dtype=i32), torch.zeros(0, dtype=i32))
+    yield "q-int64", (good[0].long(), good[1], good[2])
+    yield "types-int64", (good[0], good[1], good[2].long())
+    yield "k-shape", (good[0], torch.zeros(3, 3, dtype=i32), good[2])
+    yield "types-2d", (good[0], good[1], good[2].view(3, 1))
+    yield "count", (good[0], torch.zeros(4, 2, dtype=i32), good[2])
+    yield "q-flat", (good[0].view(-1), good[1], good[2])
+    yield "list", ([[0, 1]], good[1], good[2])
+    yield "meta-device", (good[0].to("meta"), good[1], good[2])
+
+
+def _outcome(fn, *args):
+    try:
+        fn(*args)
+    except (TypeError, ValueError) as e:
+        return type(e)
+    return None
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _qkv_variants()])
+def test_fast_qkv_check_agrees_with_the_detailed_checks(case, monkeypatch):
+    """The one-expression check never accepts what the detailed checks reject (and vice versa)."""
+    from flashrange import validation
+
+    q, k, v = next(c[1:] for c in _qkv_variants() if c[0] == case)
+    fast = _outcome(validation.check_qkv, q, k, v)
+    monkeypatch.setattr(validation, "_qkv_ok", lambda *a: False)
+    detailed = _outcome(validation.check_qkv, q, k, v)
+    assert fast == detailed
+    assert (detailed is None) == case.startswith("ok")
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _ranges_variants()])
+def test_fast_ranges_check_agrees_with_the_detailed_checks(case, monkeypatch):
+    from flashrange import validation
+
+    ranges = next(c[1] for c in _ranges_variants() if c[0] == case)
+    fast = _outcome(validation.check_ranges, *ranges, torch.device("cpu"))
+    monkeypatch.setattr(validation, "_ranges_ok", lambda *a: False)
+    detailed = _outcome(validation.check_ranges, *ranges, torch.device("cpu"))
+    assert fast == detailed
+    assert (detailed is None) == (case in ("ok", "empty"))
