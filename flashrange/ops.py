@@ -215,9 +215,9 @@ def _gradients(bwd_fn, saved, dout, dlse, softmax_scale, softcap):
     if dout is None:
         dout = torch.zeros_like(out)
     # No gradient through lse (the usual case): None, and the kernels skip that term.
+    dlse = None if dlse is None else dlse.contiguous()
     return bwd_fn(
-        dout.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors,
-        softmax_scale, softcap,
+        dout.contiguous(), dlse, q, k, v, out, lse, q_ranges, k_ranges, mask_types, plan_tensors, softmax_scale, softcap,
     )
 
 

@@ -486,7 +486,6 @@ class _Recipe(NamedTuple):
     handle: object
     grid: tuple
     tail: tuple  # the arguments after the plan's four query-major tensors
-    head_dim_v: int
 
 
 def _recorded_args(recipe, q, k, v, out, lse, rowmax, plan):
@@ -539,7 +538,7 @@ def range_attention_forward_triton(
         device = torch.cuda.current_device()
         if recipe is not None and q.device.index == device:
             Tq, Hq = q.shape[0], q.shape[1]
-            out = torch.empty(Tq, Hq, recipe.head_dim_v, dtype=q.dtype, device=q.device)
+            out = torch.empty(Tq, Hq, v.shape[2], dtype=q.dtype, device=q.device)
             lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
             rowmax = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device) if return_max_logits else None
             run_compiled(recipe.handle, recipe.grid, _recorded_args(recipe, q, k, v, out, lse, rowmax, plan), device)
@@ -647,5 +646,5 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         handle = jit_launch(_range_attn_fwd_kernel, grid, args, config.num_warps, config.num_stages)
         if len(_RECIPES) >= _MAX_RECIPES:
             _RECIPES.clear()
-        _RECIPES[sig] = _Recipe(handle, grid, args[10:], Dv)
+        _RECIPES[sig] = _Recipe(handle, grid, args[10:])
     return _with_max_logits(out, lse, rowmax)
