@@ -350,3 +350,43 @@ def test_packed_and_misaligned_views():
         want = _run(q.contiguous(), k.contiguous(), v.contiguous(), qr, kr, mt, 0.125)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
         check_three_way(q, k, v, qr, kr, mt, 0.125, 0.0, out, lse)
+
+
+@pytest.mark.parametrize("D", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        # One slice ending short of the tensor (the one-slice kernel): the last key tile
+        # [960, 1024) runs past the slice's end at 1000.
+        pytest.param(([[0, 1000]], [[0, 1000]], [CAUSAL]), id="one-causal-slice"),
+        # Documents with a gap and padding after the last one (the per-slice value descriptors).
+        pytest.param(([[0, 301], [301, 650], [700, 1000]], [[0, 301], [301, 650], [700, 1000]],
+                      [CAUSAL, CAUSAL, FULL]), id="documents-gap-padding"),
+    ],
+)
+def test_nan_in_uncovered_keys_does_not_reach_covered_rows(D, mask):
+    """NaN/Inf in keys and values no slice covers leave every covered row bitwise as with zeros there.
+
+    Run with the default config, so that on Hopper the TMA path (value
+    descriptors ending at each slice's last key) is the one checked.
+    """
+    T, H = 1024, 2
+    qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in mask)
+    q, k, v = make_qkv(T, T, H, H, D, D, torch.bfloat16, DEV, 91)
+    covered_keys = torch.zeros(T, dtype=torch.bool, device=DEV)
+    for ks, ke in kr.tolist():
+        covered_keys[ks:ke] = True
+    k_clean, v_clean = k.clone(), v.clone()
+    k_clean[~covered_keys] = 0
+    v_clean[~covered_keys] = 0
+    k_bad, v_bad = k_clean.clone(), v_clean.clone()
+    k_bad[~covered_keys] = float("nan")
+    v_bad[~covered_keys] = float("inf")
+    v_bad[~covered_keys, :, 0] = float("nan")
+    out_clean, lse_clean = _run(q, k_clean, v_clean, qr, kr, mt, D ** -0.5)
+    out_bad, lse_bad = _run(q, k_bad, v_bad, qr, kr, mt, D ** -0.5)
+    rows = torch.zeros(T, dtype=torch.bool, device=DEV)
+    for qs, qe in qr.tolist():
+        rows[qs:qe] = True
+    assert bool(torch.isfinite(out_bad[rows]).all())
+    assert torch.equal(out_bad[rows], out_clean[rows]) and torch.equal(lse_bad[rows], lse_clean[rows])

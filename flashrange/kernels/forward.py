@@ -7,10 +7,11 @@ key tile by key tile, with a single online softmax (base 2, ``log2(e)``
 folded into the scale), and writes ``out`` and the float32 ``lse`` once: no
 atomics, no second pass.
 
-Per slice the key tiles split into a masked head, an unmasked middle (tiles
-entirely inside the slice, in closed form) and a masked tail, so the bulk of a large slice
-runs the plain flash-attention inner loop with no element mask and no load
-mask.
+Per slice the key tiles run in one loop, in key order. The tiles entirely
+inside the slice (a run found in closed form) skip the element mask by a
+runtime branch; the edge tiles on the slice's sides and diagonals take it.
+One loop rather than one per kind keeps the next tile's loads in flight
+across the change of kind, which is most of the time of short documents.
 
 Launch configurations live in :data:`FWD_CONFIGS`, a named list; a default
 is fixed per head dim and dtype (:func:`default_config`) so that results are
@@ -63,15 +64,21 @@ __all__ = [
 
 @triton.jit
 def _tile_step(
-    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, c0, k_hi, stride_kt, stride_vt,
+    acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, c0, k_hi, is_edge, stride_kt, stride_vt,
     offs_m, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
 ):
     """One online-softmax step over keys ``[c0, c0 + BLOCK_N)``; scores are kept in base 2.
 
+    ``is_edge`` (a runtime flag, not a constexpr): the tile is not entirely
+    inside the slice, so the slice's element mask applies. One loop runs
+    both kinds of tile, so the loads of the next tile are in flight whatever
+    its kind (docs/design.md §6). Keys at or past ``k_hi`` never reach
+    ``p @ v``: the pointer path masks its loads, and with TMA the caller's
+    value descriptor ends at the slice's last key (out-of-bounds rows read as zeros).
     Everything a tile needs sits in this one function: under the interpreter each
     nested ``@triton.jit`` call costs milliseconds.
     """
@@ -80,10 +87,6 @@ def _tile_step(
         # Out-of-bounds rows and columns come back as zeros.
         k = k_desc.load([c0, 0])
         v = v_desc.load([c0, 0])
-        if IS_MASKED:
-            # The tile may run past the slice into keys no slice covers: a NaN there
-            # must not reach p @ v (0 * NaN), so those rows of v count as zeros.
-            v = tl.where(offs_n[:, None] < k_hi, v, 0.0)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -93,20 +96,11 @@ def _tile_step(
             rows = offs_n
         k_ptrs = k_base + rows[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = v_base + rows[:, None] * stride_vt + offs_dv[None, :]
-        if IS_MASKED:
-            # Edge tiles may run past the slice (and the tensor): read only its keys.
-            mask_n = offs_n[:, None] < k_hi
-            k = tl.load(k_ptrs, mask=mask_n & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs, mask=mask_n & (offs_dv[None, :] < DV), other=0.0)
-        else:
-            if BLOCK_D == D:
-                k = tl.load(k_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
-            if BLOCK_DV == DV:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        # The last tile may run past the slice into keys no slice covers (or past the
+        # tensor): a NaN there must not reach p @ v (0 * NaN), so only its keys are read.
+        mask_n = offs_n[:, None] < k_hi
+        k = tl.load(k_ptrs, mask=mask_n & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n & (offs_dv[None, :] < DV), other=0.0)
 
     k_t = tl.trans(k)
     if IS_BF16_EMULATED:
@@ -125,7 +119,7 @@ def _tile_step(
         s = qk
     else:
         s = qk * qk_scale
-    if IS_MASKED:
+    if is_edge != 0:
         # The slice's cells: rows and columns as vectors, the two
         # diagonals with bounds that are +-inf-like when the type has no such diagonal.
         j = offs_n[None, :]
@@ -136,11 +130,8 @@ def _tile_step(
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
-    if IS_MASKED:
-        # A row with nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
+    # A row with nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     if IS_SCALE_FOLDED:
         p = tl.exp2(s * qk_scale - m_use[:, None])
@@ -172,7 +163,7 @@ def _range_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr, IS_WARP_SPECIALIZED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
-    HAS_MAX_LOGITS: tl.constexpr,
+    HAS_MAX_LOGITS: tl.constexpr, IS_ONE_SLICE: tl.constexpr,
 ):
     """1-D grid of ``n_plan_blocks * SPLIT * Hq`` programs, ranked heaviest first over all heads.
 
@@ -186,7 +177,9 @@ def _range_attn_fwd_kernel(
     ``slices`` ``(S, 5)`` int32 rows ``(qs, qe, ks, ke, type)``, already clamped;
     ``block_lo/hi`` give each query block's window into them. With
     ``HAS_MAX_LOGITS``, each row's largest score (``-inf`` on uncovered rows)
-    goes to ``rowmax`` ``(Tq, Hq)`` float32.
+    goes to ``rowmax`` ``(Tq, Hq)`` float32. ``IS_ONE_SLICE``: the mask has
+    one slice, so the TMA value descriptor that ends at its last key is built
+    once per program rather than once per slice.
     """
     pid = tl.program_id(0)
     pid_rank = pid // Hq
@@ -211,8 +204,12 @@ def _range_attn_fwd_kernel(
                                            block_shape=[BLOCK_M, BLOCK_D])
         k_desc = tl.make_tensor_descriptor(k_base, shape=[Tk, D], strides=[stride_kt, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[Tk, DV], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
+        if IS_ONE_SLICE:
+            # Rows of v at or past the slice's end read as zeros (see _tile_step).
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(tl.load(slices_ptr + 3), 1), DV],
+                                               strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV])
+        else:
+            v_desc = None
         q = q_desc.load([r0, 0])
     else:
         q_desc = None
@@ -260,22 +257,20 @@ def _range_attn_fwd_kernel(
         d_hi = tl.where(has_upper, d_max, DEV_NO_DIAGONAL)
         d_lo = tl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
 
-        # Unmasked middle.
-        for t in tl.range(n_full_lo, n_full_hi, warp_specialize=IS_WARP_SPECIALIZED):
+        # A fresh name each slice: a descriptor cannot be a loop-carried value.
+        if IS_TMA and not IS_ONE_SLICE:
+            # Ends at the slice's last key: the tile past k_hi reads zeros there (see _tile_step).
+            v_slice_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(ke, 1), DV], strides=[stride_vt, 1],
+                                                     block_shape=[BLOCK_N, BLOCK_DV])
+        else:
+            v_slice_desc = v_desc
+        for t in tl.range(0, n_tiles, warp_specialize=IS_WARP_SPECIALIZED):
+            is_edge = ((t < n_full_lo) | (t >= n_full_hi)).to(tl.int32)
             acc, l_i, m_i = _tile_step(
-                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + t * BLOCK_N, k_hi,
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_slice_desc, k_lo + t * BLOCK_N, k_hi, is_edge,
                 stride_kt, stride_vt, offs_m, row_ok, ks, ke, d_lo, d_hi,
                 qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, False, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
-        # Masked head [0, n_full_lo) and tail [n_full_hi, n_tiles), in one loop.
-        n_masked = n_full_lo + (n_tiles - n_full_hi)
-        for t in range(0, n_masked):
-            tile = tl.where(t < n_full_lo, t, t - n_full_lo + n_full_hi)
-            acc, l_i, m_i = _tile_step(
-                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_lo + tile * BLOCK_N, k_hi,
-                stride_kt, stride_vt, offs_m, row_ok, ks, ke, d_lo, d_hi,
-                qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, True, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
+                HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
 
     # l = 0 exactly on rows no slice covers; a NaN l (NaN in a covered input) stays NaN.
     covered = l_i != 0.0
@@ -639,6 +634,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         # Row offsets past 2**31 elements need 64-bit pointer arithmetic.
         needs_int64(q, k, v, out),  # IS_INT64
         rowmax is not None,  # HAS_MAX_LOGITS
+        plan.q_slices.shape[0] == 1,  # IS_ONE_SLICE
     )
     if sig is None:
         launch(_range_attn_fwd_kernel, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
