@@ -24,8 +24,10 @@
 # PYTHON (default python3).
 #
 # FlashAttention-4: the GPU machine has no network. Stage FA4 with the team's tools/fa4-stage.sh (it fills
-# .fa4/A and .fa4/B), carry both, and run
-#   source .fa4/A/install.sh && bash scripts/h200.sh
+# .fa4/A and .fa4/B, each under the carry limit, so they travel in two consecutive calls). The device tool
+# may drop .fa4/A before the second call: keep a copy outside the repository on the machine. Call 1 carries
+# .fa4/A and runs  cp -r .fa4/A /tmp/fa4A ; call 2 carries .fa4/B and runs
+#   mkdir -p .fa4 && cp -r /tmp/fa4A .fa4/A && source .fa4/A/install.sh && bash scripts/h200.sh
 # install.sh puts FA4 on PYTHONPATH, which this script keeps; the bench then lists fa4 among its contenders
 # (env.txt says whether it imported).
 #
