@@ -76,9 +76,11 @@ def _tile_step(
     ``is_edge`` (a runtime flag, not a constexpr): the tile is not entirely
     inside the slice, so the slice's element mask applies. One loop runs
     both kinds of tile, so the loads of the next tile are in flight whatever
-    its kind (docs/design.md §6). Keys at or past ``k_hi`` never reach
-    ``p @ v``: the pointer path masks its loads, and with TMA the caller's
-    value descriptor ends at the slice's last key (out-of-bounds rows read as zeros).
+    its kind (docs/design.md §6). Keys no slice covers never reach ``p @ v``:
+    the pointer path reads only keys below ``k_hi``; with TMA the caller's
+    value descriptor ends at the slice's last key ``ke`` (rows past it read as
+    zeros), and every key of ``[k_hi, ke)`` is covered by a later row of the
+    slice, its ``p`` being 0 here.
     Everything a tile needs sits in this one function: under the interpreter each
     nested ``@triton.jit`` call costs milliseconds.
     """
