@@ -14,10 +14,12 @@ Speed: the cases are tiny (``Tq, Tk <= 64``, 2 query heads, head dims 16 and
 built once per group; the forward golden is one batched dense softmax per
 group (float64; the three-way baseline is the same formula in float32 on the
 low-precision inputs, rounded to their dtype, which is what the reference
-computes), compared on the GPU with one host read per group. The backward
-subset calls the reference itself (float64 golden, same-dtype baseline) and
-``golden.assert_three_way``. Mismatches are counted, printed (the first ones
-in full) and fail the test at the end.
+computes). lse, exact zeros on uncovered rows and finiteness are compared on
+the GPU; ``out`` by ``golden.assert_three_way``, the rule of every other test
+(docs/design.md §10, per row and per case), on the host, one transfer per
+chunk of cases. The backward subset calls the reference itself (float64
+golden, same-dtype baseline) and ``golden.assert_three_way``. Mismatches are
+counted, printed (the first ones in full) and fail the test at the end.
 
 ``FLASHRANGE_FUZZ_CASES`` / ``FLASHRANGE_FUZZ_BWD_CASES`` shrink the run
 (``scripts/sanitize.sh`` runs 200 cases under compute-sanitizer).
@@ -149,6 +151,7 @@ def test_fuzz_forward_garbage_ranges():
     cases = _draw(N_CASES)
     assert all(c.mask_types.shape[0] >= 6 for c in cases)  # every case holds the garbage slices
     failures = []
+    n_strict = 0
     for gi, ((D, dtype, Hkv, softcap), group) in enumerate(sorted(_groups(cases).items(), key=str)):
         B = len(group)
         scale = D ** -0.5
@@ -172,10 +175,13 @@ def test_fuzz_forward_garbage_ranges():
             base_out = base_out.to(dtype)
             covered = torch.isfinite(gold_lse)  # (b, T, H); padded rows have no cell either
             cov_o = covered.unsqueeze(-1).expand_as(gold_out)
+            # Informational: cases whose largest out error passes twice the baseline's largest with no
+            # allowance for the kernel's rounding of P (the rule this fuzz used before it took §10's).
             err_k = _masked_max((out[sl].double() - gold_out).abs(), cov_o)
             err_b = _masked_max((base_out.double() - gold_out).abs(), cov_o)
             mag = _masked_max(gold_out.abs(), cov_o).clamp(min=1.0)
-            good = err_k <= 2 * err_b + 8 * EPS32 * mag
+            n_strict += int((err_k > 2 * err_b + 8 * EPS32 * mag).sum())
+            good = torch.ones_like(ok[sl])
             err_k = _masked_max((lse[sl].double() - gold_lse).abs(), covered)
             err_b = _masked_max((base_lse.double() - gold_lse).abs(), covered)
             mag = _masked_max(gold_lse.abs(), covered).clamp(min=1.0)
@@ -186,9 +192,18 @@ def test_fuzz_forward_garbage_ranges():
             good &= torch.isfinite(out[sl]).flatten(1).all(1)
             good &= ~(torch.isnan(lse[sl]) | torch.isposinf(lse[sl])).flatten(1).any(1)
             ok[sl] = good
+            # out by the three-way rule of every other test (golden.assert_three_way: per row and per case),
+            # on the case's own rows, on the host: one transfer per chunk.
+            got_h, base_h, gold_h = out[sl].cpu(), base_out.cpu(), gold_out.cpu()
+            for i, c in enumerate(group[sl]):
+                try:
+                    assert_three_way("out", got_h[i, :c.Tq], base_h[i, :c.Tq], gold_h[i, :c.Tq])
+                except AssertionError as e:
+                    failures.append(f"{c.describe()}\n  {e}")
         for b in (~ok).nonzero().flatten().tolist():
-            failures.append(group[b].describe())
-    print(f"\nGPU fuzz forward: {len(cases)} cases with garbage ranges, {len(failures)} mismatches")
+            failures.append(f"{group[b].describe()}\n  lse, uncovered rows or non-finite values")
+    print(f"\nGPU fuzz forward: {len(cases)} cases with garbage ranges, {len(failures)} mismatches "
+          f"({n_strict} cases over the max-error rule without the rounding allowance, not asserted)")
     for f in failures[:5]:
         print(f)
     assert not failures, f"{len(failures)} of {len(cases)} cases disagree with the golden; first:\n{failures[0]}"
