@@ -6,7 +6,8 @@ with the three-way rule, the reference on the GPU in the same low precision
 as the yardstick; the eager path against the ops bit for bit; sinks under
 ``torch.compile``, CUDA-graph replay after in-place range updates and the
 sync-debug mode; max logits for several launch configurations; every
-forward configuration that serves ``D = 64 / Dv = 512`` and ``D = 192 / Dv = 128``.
+forward configuration that serves ``D = 64 / Dv = 512`` and ``D = 192 / Dv = 128``; masks converted
+from dense masks, mask_mods and ``BlockMask``s on the GPU.
 """
 
 from __future__ import annotations
@@ -317,3 +318,54 @@ def test_head_dims_every_forward_config(D, Dv):
     for c in cfgs:
         out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 0.1, config=c)
         assert_three_way(f"out[{c.name}]", out.cpu(), ref_out.cpu(), gold_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks from other libraries, converted on the GPU
+
+
+def _cuda_mask_mods(T):
+    """FlexAttention-style mask_mods closing over CUDA tensors: packed causal documents, a causal window, prefix-LM."""
+    cuts = sorted(torch.randperm(T - 1, generator=torch.Generator().manual_seed(21))[:6].add(1).tolist())
+    document_id = torch.repeat_interleave(torch.arange(7), torch.tensor([0] + cuts + [T]).diff()).to(DEV)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (document_id[q_idx] == document_id[kv_idx]) & (q_idx >= kv_idx)
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (kv_idx > q_idx - 300)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < 411) | (q_idx >= kv_idx)
+
+    return {"document-causal": document_causal, "sliding-window": sliding_window, "prefix-lm": prefix_lm}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in ("document-causal", "sliding-window", "prefix-lm")])
+def test_masks_converted_on_the_gpu(name):
+    """``from_dense``, ``from_mask_mod`` and a CUDA ``BlockMask`` convert on the GPU to the CPU's slices, and the
+    converted mask through the kernels matches a golden built from the dense mask itself."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    T, Hq, Hkv, D = 2053, 4, 2, 64
+    mask_mod = _cuda_mask_mods(T)[name]
+    idx = torch.arange(T, device=DEV)
+    dense = mask_mod(0, 0, idx[:, None], idx[None, :])
+    assert dense.is_cuda and dense.dtype == torch.bool
+
+    on_gpu = flashrange.RangeMask.from_dense(dense)
+    on_cpu = flashrange.RangeMask.from_dense(dense.cpu())
+    assert all(t.is_cuda for t in on_gpu.tensors())
+    for a, b in zip(on_gpu.tensors(), on_cpu.tensors()):
+        assert torch.equal(a.cpu(), b)
+    assert torch.equal(on_gpu.to_dense(T, T), dense)
+    for other in (flashrange.RangeMask.from_mask_mod(mask_mod, T, device=DEV),
+                  flashrange.RangeMask.from_mask_mod(flex.create_block_mask(mask_mod, None, None, T, T, device=DEV))):
+        for a, b in zip(other.tensors(), on_gpu.tensors()):
+            assert a.is_cuda and torch.equal(a, b)
+
+    q, k, v, _, _ = _inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, seed=22)
+    qr, kr, mt = on_gpu.tensors()
+    gold_out, _ = dense_attention(q.cpu(), k.cpu(), v.cpu(), dense.cpu().int())
+    ref_out, _ = reference.range_attention_forward(q, k, v, qr, kr, mt, D ** -0.5)
+    out, _ = flashrange.range_attention(q, k, v, qr, kr, mt)
+    assert_three_way("out", out.cpu(), ref_out.cpu(), gold_out)
