@@ -222,8 +222,10 @@ def _gradients(bwd_fn, saved, dout, dlse, softmax_scale, softcap):
 
 
 def _backward(ctx, dout, dlse, *unused):
-    dq, dk, dv = _gradients(bwd, ctx.saved_tensors, dout, dlse, ctx.softmax_scale, ctx.softcap)
-    return dq, dk, dv, None, None, None, [None] * (len(ctx.saved_tensors) - 8), None, None
+    # ctx.saved_tensors once: non-reentrant activation checkpointing unpacks each saved tensor only once.
+    saved = ctx.saved_tensors
+    dq, dk, dv = _gradients(bwd, saved, dout, dlse, ctx.softmax_scale, ctx.softcap)
+    return dq, dk, dv, None, None, None, [None] * (len(saved) - 8), None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -267,8 +269,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, *unused):
-        dq, dk, dv = _gradients(_bwd_cuda, ctx.saved_tensors, dout, dlse, ctx.softmax_scale, ctx.softcap)
-        return (dq, dk, dv, None, None, None, None, None) + (None,) * (len(ctx.saved_tensors) - 8)
+        saved = ctx.saved_tensors  # once, as in _backward
+        dq, dk, dv = _gradients(_bwd_cuda, saved, dout, dlse, ctx.softmax_scale, ctx.softcap)
+        return (dq, dk, dv, None, None, None, None, None) + (None,) * (len(saved) - 8)
 
 
 class _EagerAttentionMaxLogits(_EagerAttention):

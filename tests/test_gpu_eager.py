@@ -130,3 +130,62 @@ def test_recorded_launch_with_max_logits_and_softcap_match_jit_path():
         for r in results[1:] + [unplanned]:
             for a, b in zip(results[0], r):
                 assert torch.equal(a, b), kwargs
+
+
+def _in_new_thread(fn):
+    """``fn()`` run in a fresh thread (its own context variables); its result, or its exception raised here."""
+    import threading
+
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=target)
+    th.start()
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def test_forward_in_another_thread_jit_and_recorded():
+    """Triton keeps its scratch allocator per thread (a context variable): the TMA forward, first and recorded
+    launch, must work in a thread that never launched it before, with the same bits as the main thread."""
+    from flashrange.kernels import forward as fwd_mod
+
+    q, k, v, qr, kr, mt = _inputs(1031, 1101, 8, 2, 128, torch.bfloat16, 8)
+    plan = flashrange.plan_mask(qr, kr, mt, q.shape[0], k.shape[0])
+    want = flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)  # main thread: JIT, records
+    assert len(fwd_mod._RECIPES) >= 1
+    recorded = _in_new_thread(lambda: flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan))
+    jit = _in_new_thread(lambda: flashrange.range_attention(q, k, v, qr, kr, mt))
+    for got in (recorded, jit):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_activation_checkpointing_reruns_the_forward_in_the_backward():
+    """torch.utils.checkpoint runs the forward again inside the backward, on the autograd engine's thread:
+    same gradients, bit for bit, as the plain training step."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, qr, kr, mt = _inputs(1031, 1101, 8, 2, 128, torch.bfloat16, 9)
+    plan = flashrange.plan_mask(qr, kr, mt, q.shape[0], k.shape[0])
+    dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], device=DEV, dtype=q.dtype)
+
+    def step(use_checkpoint):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def attn(q, k, v):
+            return flashrange.range_attention(q, k, v, qr, kr, mt, plan=plan)[0]
+
+        out = checkpoint(attn, *leaves, use_reentrant=False) if use_checkpoint else attn(*leaves)
+        return out.detach(), torch.autograd.grad((out * dout).sum(), leaves)
+
+    plain, ckpt = step(False), step(True)
+    assert torch.equal(plain[0], ckpt[0])
+    for a, b in zip(plain[1], ckpt[1]):
+        assert torch.equal(a, b)

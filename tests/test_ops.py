@@ -3,7 +3,8 @@
 Every default check runs (schema, autograd registration, fake tensor,
 aot_dispatch_dynamic) on ``flashrange::fwd`` and ``flashrange::bwd`` over a
 grid of odd shapes, ``Tq != Tk``, GQA ratios 1/2/4, softcap on and off, and
-slice lists padded with empty ``[0, 0)`` slices.
+slice lists padded with empty ``[0, 0)`` slices; and the ops' autograd under
+non-reentrant activation checkpointing.
 """
 
 from __future__ import annotations
@@ -194,3 +195,30 @@ def test_bwd_op_without_dlse_equals_zero_dlse():
         torch.ops.flashrange.bwd.default, (dout, None, q, k, v, out, lse, qr, kr, mt, plan, 0.3, 0.0),
         test_utils=ALL_TESTS,
     )
+
+
+@pytest.mark.parametrize("max_logits", [False, True], ids=["plain", "max-logits"])
+def test_activation_checkpointing_non_reentrant(max_logits):
+    """``torch.utils.checkpoint`` (non-reentrant) lets each saved tensor be unpacked once: the backward must read
+    ``ctx.saved_tensors`` once. Same output and gradients, bit for bit, as the plain step."""
+    import flashrange
+    from torch.utils.checkpoint import checkpoint
+
+    Tq, Tk, Hq, Hkv, D = 37, 41, 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(T, H, D, generator=g) for T, H in ((Tq, Hq), (Tk, Hkv), (Tk, Hkv)))
+    qr, kr, mt = _random_slices(Tq, Tk, 4, 2, seed=6)
+    dout = torch.randn(Tq, Hq, D, generator=g)
+
+    def attn(q, k, v):
+        return flashrange.range_attention(q, k, v, qr, kr, mt, return_max_logits=max_logits)[0]
+
+    def step(use_checkpoint):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = checkpoint(attn, *leaves, use_reentrant=False) if use_checkpoint else attn(*leaves)
+        return out.detach(), torch.autograd.grad((out * dout).sum(), leaves)
+
+    plain, ckpt = step(False), step(True)
+    assert torch.equal(plain[0], ckpt[0])
+    for a, b in zip(plain[1], ckpt[1]):
+        assert torch.equal(a, b)

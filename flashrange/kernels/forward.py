@@ -455,21 +455,21 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
     return cfg
 
 
-_ALLOCATOR_SET = False
+def _scratch(size: int, alignment: int, stream):
+    # Called at launch, under the launcher's device guard.
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
 def _ensure_allocator():
-    """Device-side tensor descriptors need global scratch; take it from PyTorch's allocator."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET:
-        return
+    """Device-side tensor descriptors need global scratch; take it from PyTorch's allocator.
 
-    def _alloc(size: int, alignment: int, stream):
-        # Called at launch, under the launcher's device guard.
-        return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-
-    triton.set_allocator(_alloc)
-    _ALLOCATOR_SET = True
+    Triton keeps its allocator in a context variable, so every thread has its own:
+    the autograd engine's worker thread (where activation checkpointing runs the
+    forward again) and a user's threads start without one. Setting it is one
+    ``ContextVar.set``, so it is done on every launch that needs it, never
+    remembered in a flag.
+    """
+    triton.set_allocator(_scratch)
 
 
 # Per call signature (see _signature): the compiled kernel and every launch argument
@@ -483,6 +483,7 @@ class _Recipe(NamedTuple):
     handle: object
     grid: tuple
     tail: tuple  # the arguments after the plan's four query-major tensors
+    uses_tma: bool  # the kernel builds tensor descriptors: it needs Triton's allocator in this thread
 
 
 def _recorded_args(recipe, q, k, v, out, lse, rowmax, plan):
@@ -538,6 +539,8 @@ def range_attention_forward_triton(
             out = torch.empty(Tq, Hq, v.shape[2], dtype=q.dtype, device=q.device)
             lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
             rowmax = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device) if return_max_logits else None
+            if recipe.uses_tma:
+                _ensure_allocator()
             run_compiled(recipe.handle, recipe.grid, _recorded_args(recipe, q, k, v, out, lse, rowmax, plan), device)
             return _with_max_logits(out, lse, rowmax)
     Tq, Hq, D = q.shape
@@ -644,5 +647,5 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         handle = jit_launch(_range_attn_fwd_kernel, grid, args, config.num_warps, config.num_stages)
         if len(_RECIPES) >= _MAX_RECIPES:
             _RECIPES.clear()
-        _RECIPES[sig] = _Recipe(handle, grid, args[10:])
+        _RECIPES[sig] = _Recipe(handle, grid, args[10:], use_tma)
     return _with_max_logits(out, lse, rowmax)
