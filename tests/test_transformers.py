@@ -834,3 +834,32 @@ def test_error_unsupported_patterns():
     overlay = hf_masks.or_masks(hf_masks.causal_mask_function, lambda b, h, q, kv: q >= 0)
     with pytest.raises(NotImplementedError, match="overlays"):
         frt.flashrange_mask(batch_size=1, kv_length=5, mask_function=overlay, attention_mask=None)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("layout", ["position_ids", "cu_seq_lens"])
+def test_gradient_checkpointing_matches_plain_training(layout, reentrant):
+    """``gradient_checkpointing_enable`` re-runs each layer's attention inside the backward: logits and every
+    parameter's gradient equal the plain step's, bit for bit (CPU here; the op-level GPU twin is
+    tests/test_gpu_eager.py::test_activation_checkpointing_reruns_the_forward_in_the_backward)."""
+    docs, targets = _docs(LAYOUT_DOCS[layout], seed=4)
+    batch, spans, _ = _make_batch(docs, layout)
+
+    layers = 2
+
+    def step(checkpointing):
+        model = _flashrange_model("llama", layers=layers)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        with _OpCounter() as counter:
+            logits = model(**batch, use_cache=False).logits
+            _loss([logits[b, s : s + n] for b, s, n in spans], targets).backward()
+        # Checkpointing really ran: every layer's attention forward ran twice.
+        assert counter.counts["flashrange.fwd"] == layers * (2 if checkpointing else 1)
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (plain_logits, plain_grads), (ckpt_logits, ckpt_grads) = step(False), step(True)
+    assert torch.equal(plain_logits, ckpt_logits)
+    assert plain_grads.keys() == ckpt_grads.keys() and len(plain_grads) > 0
+    for name in plain_grads:
+        assert torch.equal(plain_grads[name], ckpt_grads[name]), name
