@@ -197,10 +197,11 @@ def test_bwd_op_without_dlse_equals_zero_dlse():
     )
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("max_logits", [False, True], ids=["plain", "max-logits"])
-def test_activation_checkpointing_non_reentrant(max_logits):
-    """``torch.utils.checkpoint`` (non-reentrant) lets each saved tensor be unpacked once: the backward must read
-    ``ctx.saved_tensors`` once. Same output and gradients, bit for bit, as the plain step."""
+def test_activation_checkpointing(max_logits, reentrant):
+    """``torch.utils.checkpoint``: the non-reentrant mode lets each saved tensor be unpacked once, so the backward
+    must read ``ctx.saved_tensors`` once. Same output and gradients, bit for bit, as the plain step."""
     import flashrange
     from torch.utils.checkpoint import checkpoint
 
@@ -215,7 +216,7 @@ def test_activation_checkpointing_non_reentrant(max_logits):
 
     def step(use_checkpoint):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = checkpoint(attn, *leaves, use_reentrant=False) if use_checkpoint else attn(*leaves)
+        out = checkpoint(attn, *leaves, use_reentrant=reentrant) if use_checkpoint else attn(*leaves)
         return out.detach(), torch.autograd.grad((out * dout).sum(), leaves)
 
     plain, ckpt = step(False), step(True)
