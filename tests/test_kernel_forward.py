@@ -428,6 +428,7 @@ def test_recorded_launch_passes_the_recorded_call_arguments(monkeypatch, max_log
     (grid, args), = launched
     recipe = fwd_mod._RECIPES["the-signature"]
     assert recipe.handle == "compiled-kernel" and recipe.grid == grid
+    assert recipe.uses_tma is False  # the pointer tiles: a repeated call needs no scratch allocator
     again = fwd_mod._recorded_args(recipe, q, k, v, out, lse, rowmax, plan)
     assert len(again) == len(args)
     for a, b in zip(again, args):
@@ -452,3 +453,24 @@ def test_recorded_launches_are_bounded(monkeypatch):
                         fwd_mod.plan_split(config.BLOCK_M), False, False, ("sig", T))
         assert 1 <= len(fwd_mod._RECIPES) <= 3
         assert ("sig", T) in fwd_mod._RECIPES
+
+
+def test_tma_scratch_allocator_is_set_on_every_call_in_every_thread(monkeypatch):
+    """Triton keeps its allocator per thread (a context variable): the forward sets it on each launch that builds
+    tensor descriptors, in whatever thread that is (the autograd engine's, under activation checkpointing),
+    never behind a process-wide "done" flag (docs/design.md §6; the GPU twin is in tests/test_gpu_eager.py)."""
+    import threading
+
+    import triton
+
+    from flashrange.kernels import forward as fwd_mod
+
+    calls = []
+    monkeypatch.setattr(triton, "set_allocator", lambda alloc: calls.append((threading.get_ident(), alloc)))
+    fwd_mod._ensure_allocator()
+    fwd_mod._ensure_allocator()
+    th = threading.Thread(target=fwd_mod._ensure_allocator)
+    th.start()
+    th.join()
+    assert len(calls) == 3 and all(alloc is fwd_mod._scratch for _, alloc in calls)
+    assert calls[0][0] == calls[1][0] != calls[2][0]
