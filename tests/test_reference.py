@@ -73,7 +73,7 @@ def test_forward_float64_matches_dense(Tq, Tk, Hq, Hkv, D, Dv, n_slices, uncover
     q, k, v = _inputs(Tq, Tk, Hq, Hkv, D, Dv, seed=1)
     out, lse = range_attention_forward(q, k, v, *mask.tensors(), softcap=softcap)
     gold_out, gold_lse = dense_attention(q, k, v, dense_counts(*mask.tensors(), Tq, Tk), softcap=softcap)
-    assert out.dtype == torch.float64 and lse.shape == (Tq, Hq)
+    assert out.dtype == lse.dtype == torch.float64 and lse.shape == (Tq, Hq)  # README: float64 in, float64 lse
     assert max_err(out, gold_out) < F64_TOL
     assert max_err(lse, gold_lse) < F64_TOL
     assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
