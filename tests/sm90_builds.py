@@ -1,0 +1,213 @@
+"""Build every GPU launch of flashrange for Hopper (sm_90) without a GPU; run by tests/test_compile_sm90.py.
+
+    TRITON_INTERPRET=0 python tests/sm90_builds.py     (prints one line per build; exit 1 if any failed)
+
+The launchers are called on CPU tensors with their ``launch`` stood in for: each
+records the kernel, its argument list and its warps and stages instead of
+running it. The arguments become a Triton signature (tensors by dtype, ints
+by width, the constexprs by value), and Triton's compiler builds it for an
+sm_90 target down to a cubin, with the ptxas it ships. So what the H200
+alone runs (TMA descriptors, the warp-specialized loop, the real tile sizes,
+the plan kernels) is built in CI. Exit 3: this Triton cannot build for CUDA
+here (no ptxas, no CUDA backend), nothing was tried.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+          torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8"}
+
+
+def _signature(kernel, args):
+    sig, consts = {}, {}
+    for p, a in zip(kernel.params, args, strict=True):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            consts[p.name] = a
+        elif isinstance(a, torch.Tensor):
+            sig[p.name] = _TYPES[a.dtype]
+        elif isinstance(a, bool):
+            sig[p.name] = "i1"
+        elif isinstance(a, int):
+            sig[p.name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+        elif isinstance(a, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: no Triton type for argument {p.name} ({type(a).__name__})")
+    return sig, consts
+
+
+class _Recorder:
+    """Stands in for ``kernels.common.launch``: keeps ``(kernel, args, num_warps, num_stages)``."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, kernel, grid, args, num_warps=4, num_stages=None):
+        self.launches.append((kernel, tuple(args), num_warps, num_stages))
+
+
+def _ranges(rows):
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+def _docs(T, n):
+    b = [T * i // n for i in range(n + 1)]
+    return [(b[i], b[i + 1], b[i], b[i + 1], 1) for i in range(n)]
+
+
+def forward_builds():
+    """``(name, recorder)`` of the forward: default configs per head dim, TMA one- and multi-slice, softcap and
+    max logits, the warp-specialized config, 64-bit offsets, fp32."""
+    from flashrange import plan_mask
+    from flashrange.kernels import forward as fwd
+
+    # The configs an sm_90 GPU would pick: this machine has none, so say that TMA is there.
+    fwd._has_tma = lambda: True
+    out = []
+    cases = [
+        # name, D, Dv, dtype, config (None: default), rows, softcap, max logits, int64 view
+        ("d128-bf16-one-slice", 128, 128, torch.bfloat16, None, [(0, 300, 0, 300, 1)], 0.0, False, False),
+        ("d128-bf16-documents-softcap-maxlogits", 128, 128, torch.bfloat16, None, _docs(300, 3), 30.0, True, False),
+        ("d64-fp16-documents", 64, 64, torch.float16, None, _docs(300, 3), 0.0, False, False),
+        ("d256-bf16", 256, 256, torch.bfloat16, None, _docs(300, 2), 0.0, False, False),
+        ("d64-dv512-bf16", 64, 512, torch.bfloat16, None, _docs(300, 2), 0.0, False, False),
+        ("d192-dv128-bf16", 192, 128, torch.bfloat16, None, _docs(300, 2), 0.0, False, False),
+        ("d128-fp32", 128, 128, torch.float32, None, _docs(300, 2), 0.0, False, False),
+        ("d128-bf16-int64-view", 128, 128, torch.bfloat16, None, _docs(300, 2), 0.0, False, True),
+    ]
+    if fwd._has_warp_spec():
+        cases.append(("d128-bf16-warp-specialized", 128, 128, torch.bfloat16, "ws_m128_n128_w8_s2",
+                      _docs(300, 3), 0.0, False, False))
+    for name, D, Dv, dtype, cfg_name, rows, softcap, max_logits, int64 in cases:
+        T, Hq, Hkv = 300, 4, 2
+        if int64:
+            # A view into a fused buffer whose element offsets pass 2**31 (never allocated).
+            q = torch.empty_strided((T, Hq, D), (2**23, D, 1), dtype=dtype, device="meta")
+        else:
+            q = torch.empty(T, Hq, D, dtype=dtype)
+        k = torch.empty(T, Hkv, D, dtype=dtype)
+        v = torch.empty(T, Hkv, Dv, dtype=dtype)
+        qr, kr, mt = _ranges(rows)
+        plan = plan_mask(qr, kr, mt, T, T)
+        if cfg_name:
+            config = fwd._BY_NAME[cfg_name]
+        else:
+            config = fwd._default_config.__wrapped__(D, Dv, dtype, "cuda", False, -1)
+        o = torch.empty(T, Hq, Dv, dtype=dtype)
+        lse = torch.empty(T, Hq)
+        rowmax = torch.empty(T, Hq) if max_logits else None
+        rec = _Recorder()
+        fwd.launch = rec
+        fwd._launch(q, k, v, o, lse, rowmax, plan, D ** -0.5, softcap, config, fwd.plan_split(config.BLOCK_M),
+                    config.use_tma, False, None)
+        out.append((f"forward {name} [{config.name}]", rec))
+    return out
+
+
+def backward_builds():
+    """``(name, recorder)`` of the backward (dQ and dK/dV kernels): the GPU default config per head dims and dtype,
+    with softcap and a gradient through lse, and a 64-bit view."""
+    from flashrange import plan_mask
+    from flashrange.kernels import backward as bwd
+
+    out = []
+    cases = [
+        ("d128-bf16", 128, 128, torch.bfloat16, 0.0, False, False),
+        ("d128-bf16-softcap-dlse", 128, 128, torch.bfloat16, 30.0, True, False),
+        ("d64-fp16", 64, 64, torch.float16, 0.0, False, False),
+        ("d256-bf16", 256, 256, torch.bfloat16, 0.0, False, False),
+        ("d64-dv512-bf16", 64, 512, torch.bfloat16, 0.0, False, False),
+        ("d192-dv128-bf16", 192, 128, torch.bfloat16, 0.0, False, False),
+        ("d128-fp32", 128, 128, torch.float32, 0.0, False, False),
+        ("d128-bf16-int64-view", 128, 128, torch.bfloat16, 0.0, False, True),
+    ]
+    for name, D, Dv, dtype, softcap, with_dlse, int64 in cases:
+        T, Hq, Hkv = 300, 4, 2
+        if int64:
+            q = torch.empty_strided((T, Hq, D), (2**23, D, 1), dtype=dtype, device="meta")
+        else:
+            q = torch.empty(T, Hq, D, dtype=dtype)
+        k = torch.empty(T, Hkv, D, dtype=dtype)
+        v = torch.empty(T, Hkv, Dv, dtype=dtype)
+        o = torch.empty(T, Hq, Dv, dtype=dtype)
+        do = torch.empty(T, Hq, Dv, dtype=dtype)
+        lse = torch.empty(T, Hq)
+        dlse = torch.empty(T, Hq) if with_dlse else None
+        qr, kr, mt = _ranges(_docs(T, 3))
+        plan = plan_mask(qr, kr, mt, T, T)
+        config = bwd.default_config(D, Dv, dtype, torch.device("cuda"))
+        rec = _Recorder()
+        bwd.launch = rec
+        bwd.range_attention_backward_triton(do, q, k, v, o, lse, qr, kr, mt, D ** -0.5, softcap, dlse,
+                                            plan=plan, config=config)
+        out.append((f"backward {name}", rec))
+    return out
+
+
+def plan_builds():
+    """``(name, recorder)`` of the Triton plan: the one-launch path and the many-slice path."""
+    from flashrange.kernels import plan as plan_mod
+
+    out = []
+    for name, rows, T in (("one-launch", _docs(1000, 5), 1000), ("many-slices", _docs(40000, 300), 40000)):
+        qr, kr, mt = _ranges(rows)
+        rec = _Recorder()
+        plan_mod.launch = rec
+        plan_mod.build_plan_triton(qr, kr, mt, T, T)
+        out.append((f"plan {name}", rec))
+    return out
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("run with TRITON_INTERPRET=0: the interpreter does not build kernels")
+        return 2
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        target = GPUTarget("cuda", 90, 32)
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001 - an older or CPU-only Triton: nothing can be built here
+        print(f"cannot build for sm_90 with this Triton ({type(e).__name__}: {e})")
+        return 3
+    failures = 0
+    seen = set()
+    for name, rec in forward_builds() + backward_builds() + plan_builds():
+        for kernel, args, num_warps, num_stages in rec.launches:
+            sig, consts = _signature(kernel, args)
+            key = (kernel.__name__, tuple(sorted(sig.items())), tuple(sorted((k, repr(v)) for k, v in consts.items())),
+                   num_warps, num_stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            options = {"num_warps": num_warps}
+            if num_stages is not None:
+                options["num_stages"] = num_stages
+            t0 = time.perf_counter()
+            try:
+                compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target,
+                                          options=options)
+                assert compiled.asm.get("cubin"), "no cubin"
+                print(f"ok   {name}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, "
+                      f"shared memory {compiled.metadata.shared} B)", flush=True)
+            except Exception as e:  # noqa: BLE001 - every build is reported, then the run fails
+                failures += 1
+                print(f"FAIL {name}: {kernel.__name__}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    print(f"{len(seen)} builds, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
