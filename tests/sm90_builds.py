@@ -8,8 +8,11 @@ running it. The arguments become a Triton signature (tensors by dtype, ints
 by width, the constexprs by value), and Triton's compiler builds it for an
 sm_90 target down to a cubin, with the ptxas it ships. So what the H200
 alone runs (TMA descriptors, the warp-specialized loop, the real tile sizes,
-the plan kernels) is built in CI. Exit 3: this Triton cannot build for CUDA
-here (no ptxas, no CUDA backend), nothing was tried.
+the plan kernels) is built in CI. Each line gives the build's shared memory
+and, where Triton ships cuobjdump, its registers and stack (where spilled
+registers go): a register-pressure check without a GPU, for the installed
+Triton. Exit 3: this Triton cannot build for CUDA here (no ptxas, no CUDA
+backend), nothing was tried.
 """
 
 from __future__ import annotations
@@ -166,6 +169,26 @@ def plan_builds():
     return out
 
 
+def _resources(cubin):
+    """``", registers N, stack B"`` from the cuobjdump that Triton ships (the stack holds register spills), or ""."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(x.split(":", 1) for x in text.split() if x.startswith(("REG:", "STACK:")))
+    if not fields:
+        return ""
+    return f", registers {fields.get('REG', '?')}, stack {fields.get('STACK', '?')} B"
+
+
 def main():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("run with TRITON_INTERPRET=0: the interpreter does not build kernels")
@@ -201,7 +224,7 @@ def main():
                                           options=options)
                 assert compiled.asm.get("cubin"), "no cubin"
                 print(f"ok   {name}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, "
-                      f"shared memory {compiled.metadata.shared} B)", flush=True)
+                      f"shared memory {compiled.metadata.shared} B{_resources(compiled.asm['cubin'])})", flush=True)
             except Exception as e:  # noqa: BLE001 - every build is reported, then the run fails
                 failures += 1
                 print(f"FAIL {name}: {kernel.__name__}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
