@@ -66,6 +66,16 @@ def _docs(T, n):
     return [(b[i], b[i + 1], b[i], b[i + 1], 1) for i in range(n)]
 
 
+def _qkv(T, Hq, D, Dv, dtype, int64):
+    """Inputs with 2 key/value heads; with ``int64``, q is a view into a fused buffer whose element offsets
+    pass 2**31 (a meta tensor: never allocated, only its shape and strides matter)."""
+    if int64:
+        q = torch.empty_strided((T, Hq, D), (2**23, D, 1), dtype=dtype, device="meta")
+    else:
+        q = torch.empty(T, Hq, D, dtype=dtype)
+    return q, torch.empty(T, 2, D, dtype=dtype), torch.empty(T, 2, Dv, dtype=dtype)
+
+
 def forward_builds():
     """``(name, recorder)`` of the forward: default configs per head dim, TMA one- and multi-slice, softcap and
     max logits, the warp-specialized config, 64-bit offsets, fp32."""
@@ -90,14 +100,8 @@ def forward_builds():
         cases.append(("d128-bf16-warp-specialized", 128, 128, torch.bfloat16, "ws_m128_n128_w8_s2",
                       _docs(300, 3), 0.0, False, False))
     for name, D, Dv, dtype, cfg_name, rows, softcap, max_logits, int64 in cases:
-        T, Hq, Hkv = 300, 4, 2
-        if int64:
-            # A view into a fused buffer whose element offsets pass 2**31 (never allocated).
-            q = torch.empty_strided((T, Hq, D), (2**23, D, 1), dtype=dtype, device="meta")
-        else:
-            q = torch.empty(T, Hq, D, dtype=dtype)
-        k = torch.empty(T, Hkv, D, dtype=dtype)
-        v = torch.empty(T, Hkv, Dv, dtype=dtype)
+        T, Hq = 300, 4
+        q, k, v = _qkv(T, Hq, D, Dv, dtype, int64)
         qr, kr, mt = _ranges(rows)
         plan = plan_mask(qr, kr, mt, T, T)
         if cfg_name:
@@ -133,13 +137,8 @@ def backward_builds():
         ("d128-bf16-int64-view", 128, 128, torch.bfloat16, 0.0, False, True),
     ]
     for name, D, Dv, dtype, softcap, with_dlse, int64 in cases:
-        T, Hq, Hkv = 300, 4, 2
-        if int64:
-            q = torch.empty_strided((T, Hq, D), (2**23, D, 1), dtype=dtype, device="meta")
-        else:
-            q = torch.empty(T, Hq, D, dtype=dtype)
-        k = torch.empty(T, Hkv, D, dtype=dtype)
-        v = torch.empty(T, Hkv, Dv, dtype=dtype)
+        T, Hq = 300, 4
+        q, k, v = _qkv(T, Hq, D, Dv, dtype, int64)
         o = torch.empty(T, Hq, Dv, dtype=dtype)
         do = torch.empty(T, Hq, Dv, dtype=dtype)
         lse = torch.empty(T, Hq)
