@@ -4,8 +4,8 @@
 #   bash scripts/sanitize.sh        (from anywhere; OUT defaults to ./out/sanitize in the repository)
 #
 # Runs under `compute-sanitizer --tool memcheck`:
-#   1. a sample of the GPU fuzz (tests/test_gpu_fuzz.py): SANITIZE_CASES (200) garbage-range cases forward,
-#      then SANITIZE_BWD_CASES (40) of them backward (each calls the reference too, slow under memcheck):
+#   1. a sample of the GPU fuzz (tests/test_gpu_fuzz.py), as two steps: SANITIZE_CASES (200) garbage-range
+#      cases forward, then SANITIZE_BWD_CASES (40) of them backward (each calls the reference too, slow under memcheck):
 #      ranges outside the tensors, reversed, empty, unknown types, +-2**30;
 #   2. the strided-view case with element offsets past 2**31
 #      (tests/test_gpu_backward.py::test_offsets_past_int32_in_a_strided_view).

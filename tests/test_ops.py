@@ -4,7 +4,7 @@ Every default check runs (schema, autograd registration, fake tensor,
 aot_dispatch_dynamic) on ``flashrange::fwd`` and ``flashrange::bwd`` over a
 grid of odd shapes, ``Tq != Tk``, GQA ratios 1/2/4, softcap on and off, and
 slice lists padded with empty ``[0, 0)`` slices; and the ops' autograd under
-non-reentrant activation checkpointing.
+activation checkpointing, reentrant and not.
 """
 
 from __future__ import annotations
