@@ -353,6 +353,9 @@ def _worker(rank, world, store_path, compile_step):
                 _close(cp_sub.undispatch(g), w, "cp dimension of a 2-D DeviceMesh")
         if compile_step:
             _compiled_step(cp, rank, compile_step)
+        # Every rank done with its collectives before any tears its group down (on success only: a rank
+        # that failed must not leave the others waiting here).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
