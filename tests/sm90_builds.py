@@ -52,8 +52,8 @@ class _Recorder:
     def __init__(self):
         self.launches = []
 
-    def __call__(self, kernel, grid, args, num_warps=4, num_stages=None):
-        self.launches.append((kernel, tuple(args), num_warps, num_stages))
+    def __call__(self, kernel, grid, args, num_warps=4, num_stages=None, maxnreg=None):
+        self.launches.append((kernel, tuple(args), num_warps, num_stages, maxnreg))
 
 
 def _ranges(rows):
@@ -95,6 +95,19 @@ def forward_builds():
         ("d192-dv128-bf16", 192, 128, torch.bfloat16, None, _docs(300, 2), 0.0, False, False),
         ("d128-fp32", 128, 128, torch.float32, None, _docs(300, 2), 0.0, False, False),
         ("d128-bf16-int64-view", 128, 128, torch.bfloat16, None, _docs(300, 2), 0.0, False, True),
+    ]
+    # The Hopper kernel (Gluon), as the H200 runs it by default for 2-byte dtypes and head dims 64 and 128.
+    cases += [
+        ("d128-bf16-one-slice-gluon", 128, 128, torch.bfloat16, "sm90ws_m128_n128_w4_s2", [(0, 300, 0, 300, 1)],
+         0.0, False, False),
+        ("d64-dv128-fp16-gluon", 64, 128, torch.float16, "sm90ws_m128_n64_w4_s3", _docs(300, 2), 0.0, False,
+         False),
+        ("d128-bf16-int64-view-gluon", 128, 128, torch.bfloat16, "sm90ws_m128_n128_w4_s2", _docs(300, 2), 0.0,
+         False, True),
+        ("d128-bf16-documents-softcap-maxlogits-gluon", 128, 128, torch.bfloat16, "sm90ws_m128_n128_w4_s2",
+         _docs(300, 3), 30.0, True, False),
+        ("d64-fp16-one-slice-gluon", 64, 64, torch.float16, "sm90ws_m128_n128_w4_s3", [(0, 300, 0, 300, 1)],
+         0.0, False, False),
     ]
     if fwd._has_warp_spec():
         cases.append(("d128-bf16-warp-specialized", 128, 128, torch.bfloat16, "ws_m128_n128_w8_s2",
@@ -196,6 +209,7 @@ def main():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
+        from triton.experimental.gluon._runtime import GluonASTSource
 
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -207,19 +221,22 @@ def main():
     failures = 0
     seen = set()
     for name, rec in forward_builds() + backward_builds() + plan_builds():
-        for kernel, args, num_warps, num_stages in rec.launches:
+        for kernel, args, num_warps, num_stages, maxnreg in rec.launches:
             sig, consts = _signature(kernel, args)
             key = (kernel.__name__, tuple(sorted(sig.items())), tuple(sorted((k, repr(v)) for k, v in consts.items())),
-                   num_warps, num_stages)
+                   num_warps, num_stages, maxnreg)
             if key in seen:
                 continue
             seen.add(key)
             options = {"num_warps": num_warps}
             if num_stages is not None:
                 options["num_stages"] = num_stages
+            if maxnreg is not None:
+                options["maxnreg"] = maxnreg
             t0 = time.perf_counter()
             try:
-                compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target,
+                source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+                compiled = triton.compile(source(fn=kernel, signature=sig, constexprs=consts), target=target,
                                           options=options)
                 assert compiled.asm.get("cubin"), "no cubin"
                 print(f"ok   {name}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, "

@@ -390,3 +390,80 @@ def test_nan_in_uncovered_keys_does_not_reach_covered_rows(D, mask):
         rows[qs:qe] = True
     assert bool(torch.isfinite(out_bad[rows]).all())
     assert torch.equal(out_bad[rows], out_clean[rows]) and torch.equal(lse_bad[rows], lse_clean[rows])
+
+
+_HOPPER = torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel is the default on compute capability 9 only")
+def test_hopper_kernel_is_the_default_and_builds():
+    """On Hopper, 2-byte dtypes at head dims up to 128 (over 64) take the Gluon kernel, and it builds: no
+    fallback warning."""
+    import warnings
+
+    for D, Dv in ((128, 128), (96, 96), (64, 128)):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert default_config(D, Dv, dtype).gluon, (D, Dv, dtype)
+    assert not default_config(64, 64, torch.bfloat16).gluon
+    assert not default_config(128, 128, torch.float32).gluon
+    assert not default_config(256, 256, torch.bfloat16).gluon
+    T = 4099
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for D, dtype, kind, softcap in ((128, torch.bfloat16, "causal", 0.0), (96, torch.float16, "full", 20.0),
+                                        (128, torch.float16, "window", 0.0)):
+            q, k, v = make_qkv(T, T, 4, 2, D, D, dtype, DEV, seed=D + 1)
+            qr, kr, mt = _mask(kind, T, 3)
+            out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
+            check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
+    assert default_config(128, 128, torch.bfloat16).gluon
+
+
+class _Unbuildable:
+    """Stands in for the Gluon kernel: every launch fails the way a compiler error does."""
+
+    params = ()
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            raise RuntimeError("PassManager::run failed (a stand-in for a Gluon build error)")
+
+        return run
+
+
+@pytest.fixture
+def gluon_state(monkeypatch):
+    from flashrange.kernels import forward as fwd
+
+    def clear():
+        for cached in (fwd._has_gluon_sm90, fwd._configs_for, fwd._default_config):
+            cached.cache_clear()
+        fwd._RECIPES.clear()
+
+    monkeypatch.setattr(fwd, "_GLUON_FAILURES", [])
+    clear()
+    yield fwd, monkeypatch
+    monkeypatch.undo()
+    clear()
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel is the default on compute capability 9 only")
+def test_gluon_build_failure_falls_back_with_one_warning(gluon_state):
+    import warnings
+
+    fwd, monkeypatch = gluon_state
+    monkeypatch.setattr(fwd, "_gluon_kernel", lambda: _Unbuildable())
+    T, D = 1100, 128
+    q, k, v = make_qkv(T, T, 2, 2, D, D, torch.bfloat16, DEV, seed=5)
+    qr, kr, mt = _mask("causal", T, 2)
+    with pytest.warns(RuntimeWarning, match="did not build"):
+        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5)
+    check_three_way(q, k, v, qr, kr, mt, D ** -0.5, 0.0, out, lse)
+    assert not default_config(D, D, torch.bfloat16).gluon
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out2, lse2 = _run(q, k, v, qr, kr, mt, D ** -0.5)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    # A Gluon config asked for by name is refused once the kernel is known not to build.
+    with pytest.raises(ValueError, match="Hopper"):
+        _run(q, k, v, qr, kr, mt, D ** -0.5, config="sm90ws_m128_n128_w4_s2")

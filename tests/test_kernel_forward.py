@@ -406,7 +406,7 @@ def test_recorded_launch_passes_the_recorded_call_arguments(monkeypatch, max_log
 
     launched = []
 
-    def fake_jit_launch(kernel, grid, args, num_warps, num_stages):
+    def fake_jit_launch(kernel, grid, args, num_warps, num_stages, maxnreg=None):
         launched.append((grid, args))
         return "compiled-kernel"
 
@@ -474,3 +474,17 @@ def test_tma_scratch_allocator_is_set_on_every_call_in_every_thread(monkeypatch)
     th.join()
     assert len(calls) == 3 and all(alloc is fwd_mod._scratch for _, alloc in calls)
     assert calls[0][0] == calls[1][0] != calls[2][0]
+
+
+def test_hopper_config_refused_off_hopper():
+    """The Gluon configs are never picked here, and one asked for by name says what it needs."""
+    from flashrange.kernels.forward import configs_for, default_config
+
+    for D in (64, 128):
+        assert not default_config(D, D, torch.bfloat16, device_type="cpu").gluon
+        assert not any(c.gluon for c in configs_for(D, D, torch.bfloat16, device_type="cpu"))
+    q, k, v = make_qkv(40, 40, 2, 1, 64, 64, torch.bfloat16, DEV, seed=1)
+    r = torch.tensor([[0, 40]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="compute-capability-9 GPU"):
+        run_kernel(q, k, v, r, r.clone(), torch.tensor([CAUSAL], dtype=torch.int32), 0.125,
+                   config="sm90ws_m128_n128_w4_s2")

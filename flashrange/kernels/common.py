@@ -130,11 +130,18 @@ def _raw_stream_getter():
 _current_raw_stream = _raw_stream_getter()
 
 
-def jit_launch(kernel, grid, args, num_warps=4, num_stages=None):
-    """``kernel[grid](*args)`` through Triton's JIT dispatcher; returns the compiled kernel it launched."""
-    if num_stages is None:
-        return kernel[grid](*args, num_warps=num_warps)
-    return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+def jit_launch(kernel, grid, args, num_warps=4, num_stages=None, maxnreg=None):
+    """``kernel[grid](*args)`` through Triton's JIT dispatcher; returns the compiled kernel it launched.
+
+    ``maxnreg``: the per-thread register cap of the launch (a warp-specialized
+    Gluon kernel splits that budget between its partitions).
+    """
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return kernel[grid](*args, **options)
 
 
 def run_compiled(handle, grid, args, device=None):
@@ -156,7 +163,7 @@ def run_compiled(handle, grid, args, device=None):
     handle.run(grid[0], g1, g2, stream, handle.function, handle.packed_metadata, meta, enter, leave, *args)
 
 
-def launch(kernel, grid, args, num_warps=4, num_stages=None):
+def launch(kernel, grid, args, num_warps=4, num_stages=None, maxnreg=None):
     """Launch ``kernel[grid](*args)``; repeated launches go straight to the compiled handle.
 
     ``args`` lists every parameter of the kernel in order, constexprs included.
@@ -170,13 +177,13 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None):
     or on a Triton without ``triton.knobs``, every launch takes the JIT path.
     """
     if not fast_launch_enabled():
-        jit_launch(kernel, grid, args, num_warps, num_stages)
+        jit_launch(kernel, grid, args, num_warps, num_stages, maxnreg)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, num_warps, num_stages, _cache_key(kernel, args))
+    key = (kernel, device, num_warps, num_stages, maxnreg, _cache_key(kernel, args))
     handle = _HANDLES.get(key)
     if handle is None:
-        _HANDLES[key] = jit_launch(kernel, grid, args, num_warps, num_stages)
+        _HANDLES[key] = jit_launch(kernel, grid, args, num_warps, num_stages, maxnreg)
         return
     run_compiled(handle, grid, args, device)
 

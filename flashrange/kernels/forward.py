@@ -29,6 +29,7 @@ Triton builds it. Measured speeds are in BENCHMARKS.md.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -308,6 +309,8 @@ class FwdConfig:
     num_stages: int
     use_tma: bool = False
     warp_spec: bool = False
+    # The Hopper kernel of kernels/forward_sm90.py (Gluon) instead of the Triton one.
+    gluon: bool = False
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -340,6 +343,11 @@ FWD_CONFIGS = [
     # Warp specialization: on Triton 3.6 the 4-warp variants fail to compile this kernel
     # (WSDataPartition asserts on the loop nest: "value not sliced"), so only 8 warps.
     FwdConfig("ws_m128_n128_w8_s2", 128, 128, 8, 2, use_tma=True, warp_spec=True),
+    # The Hopper kernel (Gluon, kernels/forward_sm90.py): a producer warp and two consumer
+    # warpgroups of 64 rows (4 warps each), a ring of `num_stages` K/V slots.
+    FwdConfig("sm90ws_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True),
+    FwdConfig("sm90ws_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True),
+    FwdConfig("sm90ws_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True, warp_spec=True, gluon=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
     FwdConfig("cpu_m64_n64", 64, 64, 4, 1),
@@ -362,6 +370,18 @@ _DEFAULTS = {
 }
 
 
+# On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim; the
+# Triton kernel stays faster at head dim 64 (BENCHMARKS.md, fifth session).
+_SM90_DEFAULTS = {
+    128: "sm90ws_m128_n128_w4_s2",
+}
+# Below this many query rows per slice on average (short documents: each block walks
+# several slices of few tiles) the Triton kernel is the default even on Hopper: its
+# two programs per SM restart their pipelines more cheaply than the warp-specialized
+# ring does at every slice. Decided from S and Tq alone, so no host sync.
+SM90_MIN_ROWS_PER_SLICE = 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_limit(device_index: int) -> int:
     """Shared memory a program may take, less a margin for Triton's own scratch."""
@@ -378,6 +398,34 @@ def _has_tma() -> bool:
     if not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability()[0] >= 9
+
+
+# Set when the Gluon kernel failed to build here: every later call takes the Triton kernel.
+_GLUON_FAILURES = []
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gluon_sm90() -> bool:
+    """Whether the Hopper kernel can run: a compute-capability-9 GPU and a Triton with Gluon's Hopper ops."""
+    if _GLUON_FAILURES or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        from . import forward_sm90  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gluon_kernel():
+    from .forward_sm90 import range_attn_fwd_sm90_ws_kernel
+
+    return range_attn_fwd_sm90_ws_kernel
+
+
+# The warp-specialized kernel's register cap per thread at launch: over its 12 warps
+# (two consumer warpgroups, one producer warpgroup) the whole register file, which the
+# partitions then split as 240 / 240 / 24.
+_WS_MAXNREG = 168
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,7 +458,12 @@ def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_
                 continue
             if c.use_tma and not _has_tma():
                 continue
-            if c.warp_spec and not _has_warp_spec():
+            if c.warp_spec and not c.gluon and not _has_warp_spec():
+                continue
+            if c.gluon and not (
+                _has_gluon_sm90() and es == 2 and bd in (64, 128) and bdv in (64, 128)
+                and head_dim * es % 16 == 0 and head_dim_v * es % 16 == 0
+            ):
                 continue
             # TMA needs 16-byte aligned rows; fp32 keeps to small pointer tiles.
             if c.use_tma and (head_dim * es % 16 or head_dim_v * es % 16):
@@ -441,7 +494,8 @@ def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index):
+def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index, short_slices=False):
+    """``short_slices``: the mask's slices average fewer than ``SM90_MIN_ROWS_PER_SLICE`` query rows."""
     if device_type != "cuda" or interpreting:
         return _BY_NAME["cpu_m64_n64"]
     allowed = _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index)
@@ -450,6 +504,9 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
     else:
         name = _DEFAULTS[min(k for k in _DEFAULTS if k >= pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
+    sm90 = _SM90_DEFAULTS.get(max(pad_dim(head_dim), pad_dim(head_dim_v)))
+    if dtype.itemsize == 2 and sm90 is not None and _BY_NAME[sm90] in allowed and not short_slices:
+        return _BY_NAME[sm90]
     if cfg not in allowed:  # e.g. no TMA on this build or chip: fall back to the pointer path
         cfg = next(c for c in allowed if not c.use_tma)
     return cfg
@@ -561,13 +618,20 @@ def range_attention_forward_triton(
         return _with_max_logits(out.zero_(), lse.fill_(float("-inf")), rowmax)
 
     is_interp = interpreting()
+    may_fall_back = config is None
     if config is None:
         dev_index = q.device.index if q.device.type == "cuda" else -1
         if dev_index is None:
             dev_index = torch.cuda.current_device()
-        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index)
+        short_slices = Tq < SM90_MIN_ROWS_PER_SLICE * q_ranges.shape[0]
+        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index, short_slices)
     elif isinstance(config, str):
         config = _BY_NAME[config]
+    if config.gluon and not (q.device.type == "cuda" and not is_interp and _has_gluon_sm90()):
+        raise ValueError(
+            f"config {config.name!r} is the Hopper (Gluon) kernel: it needs a compute-capability-9 GPU, "
+            "the interpreter off and a Triton with Gluon; pass config=None for the default here"
+        )
     # The kernel wants unit stride along the head dim (a copied input has another signature).
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         sig = None
@@ -588,10 +652,12 @@ def range_attention_forward_triton(
         with torch.cuda.device(q.device):
             if plan is None:
                 plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-            return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, None)
+            return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, None,
+                           may_fall_back=may_fall_back)
     if plan is None:
         plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-    return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig)
+    return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig,
+                   may_fall_back=may_fall_back)
 
 
 def _with_max_logits(out, lse, rowmax):
@@ -610,8 +676,29 @@ def _tma_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
 
 
-def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig):
-    """Launch the kernel; with a signature (see :func:`_signature`), record the recipe for the next call."""
+def _disable_gluon(error: Exception) -> None:
+    """The Gluon kernel failed to build: say so once, and let every later call take the Triton kernel."""
+    _GLUON_FAILURES.append(f"{type(error).__name__}: {error}")
+    for cached in (_has_gluon_sm90, _configs_for, _default_config):
+        cached.cache_clear()
+    _RECIPES.clear()
+    warnings.warn(
+        f"flashrange: the Hopper forward kernel (Gluon) did not build with Triton {triton.__version__} "
+        f"({type(error).__name__}: {str(error)[:500]}); the Triton kernel runs instead, slower on this GPU. "
+        "Please report this with your Triton version.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig, *,
+            may_fall_back=False):
+    """Launch the kernel; with a signature (see :func:`_signature`), record the recipe for the next call.
+
+    ``may_fall_back``: ``config`` is the default, so a Gluon kernel that fails
+    to build is replaced by the Triton kernel (one warning per process) rather
+    than raising.
+    """
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     n_blocks = plan.q_block_order.shape[0] * split
@@ -641,11 +728,24 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         rowmax is not None,  # HAS_MAX_LOGITS
         plan.q_slices.shape[0] == 1,  # IS_ONE_SLICE
     )
-    if sig is None:
-        launch(_range_attn_fwd_kernel, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
-    else:
-        handle = jit_launch(_range_attn_fwd_kernel, grid, args, config.num_warps, config.num_stages)
-        if len(_RECIPES) >= _MAX_RECIPES:
-            _RECIPES.clear()
-        _RECIPES[sig] = _Recipe(handle, grid, args[10:], use_tma)
+    kernel, num_stages, maxnreg = _range_attn_fwd_kernel, config.num_stages, None
+    if config.gluon and use_tma:
+        # Without TMA-aligned inputs a Gluon config's tiles run on the Triton kernel's pointer path.
+        kernel, num_stages, maxnreg = _gluon_kernel(), None, _WS_MAXNREG
+        args = args + (config.num_stages, config.num_warps)  # STAGES, NUM_WARPS
+    try:
+        if sig is None:
+            launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        else:
+            handle = jit_launch(kernel, grid, args, config.num_warps, num_stages, maxnreg)
+            if len(_RECIPES) >= _MAX_RECIPES:
+                _RECIPES.clear()
+            _RECIPES[sig] = _Recipe(handle, grid, args[10:], use_tma)
+    except Exception as e:  # noqa: BLE001 - any failure to build the Gluon kernel; others re-raise
+        if kernel is _range_attn_fwd_kernel or not may_fall_back:
+            raise
+        _disable_gluon(e)
+        config = _default_config(D, Dv, q.dtype, "cuda", False, torch.cuda.current_device())
+        return _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, plan_split(config.BLOCK_M),
+                       config.use_tma and use_tma, is_interp, None)
     return _with_max_logits(out, lse, rowmax)

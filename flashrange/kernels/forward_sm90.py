@@ -1,0 +1,293 @@
+"""Hopper (sm_90) forward of range attention in Gluon (docs/design.md §6, "the Hopper forward").
+
+Supported: bfloat16 and float16, padded head dims ``D`` and ``Dv`` of 64 or
+128 whose rows are 16-byte aligned, every slice type, overlapping and empty
+slices, GQA, softcap, max logits, CUDA graphs and ``torch.compile`` (through
+the same op as the Triton kernel). Not supported here, so the Triton kernel of
+:mod:`flashrange.kernels.forward` runs instead: float32, other head dims, GPUs
+other than compute capability 9.x, and the interpreter.
+
+Same work split, program order and plan as the Triton kernel: one program per
+block of ``BLOCK_M`` query rows of one head walks the slices of its plan
+window in order with one online softmax. What differs is the schedule, which
+Triton's compiler does not produce from the Triton kernel. The program is
+warp-specialized:
+
+- a producer warp issues every TMA load: the two 64-row halves of the query
+  block, then each slice's K/V tiles into a ring of ``STAGES`` shared-memory
+  slots, each slot with a "ready" mbarrier (TMA bytes) and an "empty" one
+  (one arrival per consumer);
+- two consumer warpgroups each own one 64-row half: scores, softmax and
+  ``P @ V`` for every tile, then release the slot. While one runs its
+  softmax, the other's matmuls keep the tensor cores busy; the consumers
+  never wait on each other, only on the producer;
+- registers are split unevenly (``setmaxnreg``): 240 per consumer thread,
+  24 for the producer.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+
+from .common import DEV_BI_CAUSAL, DEV_CAUSAL, DEV_INV_CAUSAL, DEV_LN2, DEV_NO_DIAGONAL
+
+__all__ = ["range_attn_fwd_sm90_ws_kernel"]
+
+# Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _softmax_step(
+    s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
+    HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+):
+    """Scores of one tile to probabilities (base 2): ``(p, alpha, m_new, l_new)``; same rules as the Triton kernel."""
+    if HAS_SOFTCAP:
+        e = gl.exp2(s * cap_in)
+        s = cap_out * (1.0 - 2.0 / (e + 1.0))
+    elif not IS_SCALE_FOLDED:
+        s = s * qk_scale
+    if is_edge:
+        j = gl.expand_dims(offs_n, 0)
+        diag = j - gl.expand_dims(offs_m, 1)
+        mask = gl.expand_dims(row_ok, 1) & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
+        s = gl.where(mask, s, float("-inf"))
+    if IS_SCALE_FOLDED:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+    # A row with nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    if IS_SCALE_FOLDED:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    else:
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _slice_span(slices_ptr, s_idx, r0, r1, BLOCK_N: gl.constexpr):
+    """A slice's row ``(qs, qe, ks, ke, mtype)``, its diagonals and the key tiles rows ``[r0, r1)`` reach."""
+    row = slices_ptr + s_idx * 5
+    qs = gl.load(row + 0)
+    qe = gl.load(row + 1)
+    ks = gl.load(row + 2)
+    ke = gl.load(row + 3)
+    mtype = gl.load(row + 4)
+    mtype_ok = (mtype >= 0) & (mtype <= 3)
+    has_upper = (mtype == DEV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
+    has_lower = (mtype == DEV_INV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
+    d_max = ke - qe
+    d_min = ks - qs
+    a = gl.maximum(r0, qs)
+    b = gl.minimum(r1, qe)
+    k_lo = gl.where(has_lower, gl.maximum(ks, a + d_min), ks)
+    k_hi = gl.where(has_upper, gl.minimum(ke, b + d_max), ke)
+    k_hi = gl.where((b > a) & mtype_ok, k_hi, k_lo)
+    n_tiles = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BLOCK_N)
+    return qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles
+
+
+@gluon.jit
+def _ws_producer(
+    ptrs, smem, scalars,
+    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr,
+):
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr = ptrs
+    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
+    (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+     stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    KV_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
+    q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
+                                        strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
+                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
+    v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
+    for j in gl.static_range(2):
+        mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
+        _tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
+    it = 0
+    for s_idx in range(s_lo, s_hi):
+        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles = _slice_span(slices_ptr, s_idx, r0, r1,
+                                                                                         BLOCK_N)
+        # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
+        # slice covers cannot reach P @ V through a p of 0.
+        v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
+                                            block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
+        for t in range(n_tiles):
+            cur = it + t
+            slot = cur % STAGES
+            # Both consumers released this slot's previous tile (a fresh barrier passes phase 1).
+            mbarrier.wait(empty.index(slot), ((cur // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, KV_BYTES)
+            c0 = k_lo + t * BLOCK_N
+            _tma_load(k_desc, [c0, 0], bar, k_smem.index(slot))
+            _tma_load(v_desc, [c0, 0], bar, v_smem.index(slot))
+        it += n_tiles
+
+
+@gluon.jit
+def _ws_consumer(
+    ptrs, smem, scalars,
+    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr,
+):
+    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of the block, on one warpgroup."""
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr = ptrs
+    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
+    (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+     stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
+    HALF: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+    col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+    h0 = r0 + J * HALF
+    offs_m = h0 + gl.arange(0, HALF, layout=row_s)
+    m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([HALF], gl.float32, layout=row_s)
+    acc = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_o)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
+    q_half = q_smem.index(J)
+    mbarrier.wait(q_ready.index(J), 0)
+    it = 0
+    for s_idx in range(s_lo, s_hi):
+        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles = _slice_span(slices_ptr, s_idx, r0, r1,
+                                                                                         BLOCK_N)
+        # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
+        rows_in = (h0 >= qs) & (h0 + HALF <= qe)
+        c_lo = gl.where(has_lower, gl.maximum(ks, h0 + HALF - 1 + d_min), ks)
+        c_hi = gl.where(has_upper, gl.minimum(ke, h0 + d_max + 1), ke)
+        n_full_lo = gl.minimum(gl.cdiv(gl.maximum(c_lo - k_lo, 0), BLOCK_N), n_tiles)
+        n_full_hi = gl.maximum(gl.minimum((c_hi - k_lo) // BLOCK_N, n_tiles), n_full_lo)
+        full_ok = rows_in & (c_hi - k_lo >= 0)
+        n_full_lo = gl.where(full_ok, n_full_lo, n_tiles)
+        n_full_hi = gl.where(full_ok, n_full_hi, n_tiles)
+        row_ok = (offs_m >= qs) & (offs_m < qe)
+        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        for t in range(n_tiles):
+            cur = it + t
+            slot = cur % STAGES
+            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+            s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            is_edge = (t < n_full_lo) | (t >= n_full_hi)
+            offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
+            mbarrier.arrive(empty.index(slot), count=1)
+        it += n_tiles
+
+    covered = l_i != 0.0
+    l_safe = gl.where(covered, l_i, 1.0)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    lse = gl.where(covered, (m_i + gl.log2(l_safe)) * DEV_LN2, float("-inf"))
+    offs_mo = h0 + gl.arange(0, HALF, layout=row_o)
+    offs_dv = gl.arange(0, BLOCK_DV, layout=col_o)
+    o_ptrs = (out_ptr + gl.expand_dims(offs_mo.to(gl.int64) * stride_ot, 1) + pid_h.to(gl.int64) * stride_oh
+              + gl.expand_dims(offs_dv, 0))
+    o_mask = gl.expand_dims(offs_mo < Tq, 1) & gl.expand_dims(offs_dv < DV, 0)
+    gl.store(o_ptrs, out.to(dtype), mask=o_mask)
+    mask_m = offs_m < Tq
+    gl.store(lse_ptr + offs_m.to(gl.int64) * stride_lt + pid_h, lse, mask=mask_m)
+    if HAS_MAX_LOGITS:
+        gl.store(rowmax_ptr + offs_m.to(gl.int64) * stride_mt + pid_h, m_i * DEV_LN2, mask=mask_m)
+
+
+@gluon.jit
+def _ws_consumer_1(
+    ptrs, smem, scalars,
+    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr,
+):
+    # Worker partitions share one signature: the second half's consumer, in the producer's.
+    _ws_consumer(
+        ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
+        HAS_MAX_LOGITS, STAGES, 1,
+    )
+
+
+@gluon.jit
+def range_attn_fwd_sm90_ws_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
+    Tq, Tk, Hq,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_lt, stride_mt,
+    qk_scale, cap_in, cap_out, GROUP,
+    D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, IS_TMA: gl.constexpr,
+    IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
+    IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+):
+    """The Triton kernel's parameters, grid and program order, plus ``STAGES`` and ``NUM_WARPS``.
+
+    Launched with 4 warps (the first consumer; a 4-warp and a 1-warp worker are
+    added) and a register cap that the partitions split. ``IS_TMA``,
+    ``IS_WARP_SPECIALIZED``, ``DOT_PRECISION``, ``IS_BF16_EMULATED``, ``IS_INT64``
+    and ``IS_ONE_SLICE`` are accepted and unused (TMA and 64-bit addressing always).
+    """
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    pid = gl.program_id(0)
+    pid_rank = pid // Hq
+    pid_h = pid % Hq
+    pid_kvh = pid_h // GROUP
+    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
+    r0 = (pid_plan * SPLIT + pid_rank % SPLIT) * BLOCK_M
+    r1 = gl.minimum(r0 + BLOCK_M, Tq)
+    s_lo = gl.load(block_lo_ptr + pid_plan)
+    s_hi = gl.load(block_hi_ptr + pid_plan)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], q_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    # Runtime values only in the tuple variables: a constexpr stored in one reaches the
+    # partitions as a tensor, so the constexprs are listed in each call.
+    ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr)
+    smem = (q_smem, k_smem, v_smem, q_ready, ready, empty)
+    scalars = (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+               stride_vh, stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
+    gl.warp_specialize([
+        (_ws_consumer, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, 0)),
+        (_ws_consumer_1, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES)),
+        (_ws_producer, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES)),
+    ], [4, 1], [240, 24])
