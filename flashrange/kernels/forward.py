@@ -311,6 +311,8 @@ class FwdConfig:
     warp_spec: bool = False
     # The Hopper kernel of kernels/forward_sm90.py (Gluon) instead of the Triton one.
     gluon: bool = False
+    # Gluon only: its two consumer warpgroups take turns issuing their matmuls.
+    pingpong: bool = False
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -348,6 +350,8 @@ FWD_CONFIGS = [
     FwdConfig("sm90ws_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True),
     FwdConfig("sm90ws_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True),
     FwdConfig("sm90ws_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True, warp_spec=True, gluon=True),
+    FwdConfig("sm90pp_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True, pingpong=True),
+    FwdConfig("sm90pp_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
     FwdConfig("cpu_m64_n64", 64, 64, 4, 1),
@@ -474,7 +478,9 @@ def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_
             if es == 4 and (c.use_tma or c.BLOCK_M * c.BLOCK_N > 64 * 64):
                 continue
             smem = (c.BLOCK_M * bd + max(c.num_stages, 1) * c.BLOCK_N * (bd + bdv)) * es
-            if device_index >= 0 and smem > _smem_limit(device_index):
+            # Gluon kernels take exactly their tiles and a few barriers; Triton adds scratch.
+            limit = _smem_limit(device_index) + (7 * 1024 if c.gluon else 0) if device_index >= 0 else 0
+            if device_index >= 0 and smem > limit:
                 continue
             # Registers: the accumulator and the score tile per thread.
             regs = (c.BLOCK_M * bdv + c.BLOCK_M * c.BLOCK_N) // (32 * c.num_warps)
@@ -732,7 +738,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
     if config.gluon and use_tma:
         # Without TMA-aligned inputs a Gluon config's tiles run on the Triton kernel's pointer path.
         kernel, num_stages, maxnreg = _gluon_kernel(), None, _WS_MAXNREG
-        args = args + (config.num_stages, config.num_warps)  # STAGES, NUM_WARPS
+        args = args + (config.num_stages, config.num_warps, config.pingpong)  # STAGES, NUM_WARPS, IS_PINGPONG
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)

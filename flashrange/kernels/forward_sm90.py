@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_BI_CAUSAL, DEV_CAUSAL, DEV_INV_CAUSAL, DEV_LN2, DEV_NO_DIAGONAL
 
@@ -98,10 +98,10 @@ def _ws_producer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr = ptrs
-    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
+    q_smem, k_smem, v_smem, q_ready, ready, empty, turn = smem
     (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     HALF: gl.constexpr = BLOCK_M // 2
@@ -142,11 +142,11 @@ def _ws_consumer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
 ):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of the block, on one warpgroup."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr = ptrs
-    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
+    q_smem, k_smem, v_smem, q_ready, ready, empty, turn = smem
     (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     HALF: gl.constexpr = BLOCK_M // 2
@@ -169,6 +169,8 @@ def _ws_consumer(
     q_half = q_smem.index(J)
     mbarrier.wait(q_ready.index(J), 0)
     it = 0
+    # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
+    n_blk = 0
     for s_idx in range(s_lo, s_hi):
         qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles = _slice_span(slices_ptr, s_idx, r0, r1,
                                                                                          BLOCK_N)
@@ -184,19 +186,64 @@ def _ws_consumer(
         row_ok = (offs_m >= qs) & (offs_m < qe)
         d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
         d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
-        for t in range(n_tiles):
-            cur = it + t
-            slot = cur % STAGES
-            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
-            s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
-            is_edge = (t < n_full_lo) | (t >= n_full_hi)
-            offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
-            mbarrier.arrive(empty.index(slot), count=1)
+        if IS_PINGPONG:
+            if n_tiles > 0:
+                # Matmul blocks [S_0], [P_0 V_0, S_1], ..., [P_{n-1} V_{n-1}]: the two warpgroups
+                # take turns issuing them, so one's softmax runs under the other's matmuls.
+                slot = it % STAGES
+                mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
+                s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.arrive(turn.index(1 - J), count=1)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                n_blk += 1
+                is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
+                offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
+                                                   qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev = slot
+                for t in range(1, n_tiles):
+                    cur = it + t
+                    slot = cur % STAGES
+                    mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+                    mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                    s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                    mbarrier.arrive(turn.index(1 - J), count=1)
+                    acc, s, p_op = warpgroup_mma_wait(0, deps=(acc, s, p_op))
+                    n_blk += 1
+                    mbarrier.arrive(empty.index(prev), count=1)
+                    is_edge = (t < n_full_lo) | (t >= n_full_hi)
+                    offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
+                                                       d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                    # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    prev = slot
+                mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                mbarrier.arrive(turn.index(1 - J), count=1)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                n_blk += 1
+                mbarrier.arrive(empty.index(prev), count=1)
+        else:
+            for t in range(n_tiles):
+                cur = it + t
+                slot = cur % STAGES
+                mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+                s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+                is_edge = (t < n_full_lo) | (t >= n_full_hi)
+                offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
+                                                   qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
+                mbarrier.arrive(empty.index(slot), count=1)
         it += n_tiles
 
     covered = l_i != 0.0
@@ -220,12 +267,12 @@ def _ws_consumer_1(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 1,
     )
 
 
@@ -242,9 +289,10 @@ def range_attn_fwd_sm90_ws_kernel(
     HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, IS_TMA: gl.constexpr,
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr,
 ):
-    """The Triton kernel's parameters, grid and program order, plus ``STAGES`` and ``NUM_WARPS``.
+    """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS`` and
+    ``IS_PINGPONG`` (the consumers take turns issuing their matmuls).
 
     Launched with 4 warps (the first consumer; a 4-warp and a 1-warp worker are
     added) and a register cap that the partitions split. ``IS_TMA``,
@@ -273,21 +321,24 @@ def range_attn_fwd_sm90_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
 
     # Runtime values only in the tuple variables: a constexpr stored in one reaches the
     # partitions as a tensor, so the constexprs are listed in each call.
     ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr)
-    smem = (q_smem, k_smem, v_smem, q_ready, ready, empty)
+    smem = (q_smem, k_smem, v_smem, q_ready, ready, empty, turn)
     scalars = (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                stride_vh, stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, 0)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES)),
+                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG)),
         (_ws_producer, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG)),
     ], [4, 1], [240, 24])
