@@ -377,7 +377,7 @@ _DEFAULTS = {
 # On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim; the
 # Triton kernel stays faster at head dim 64 (BENCHMARKS.md, fifth session).
 _SM90_DEFAULTS = {
-    128: "sm90ws_m128_n128_w4_s2",
+    128: "sm90pp_m128_n128_w4_s3",
 }
 # Below this many query rows per slice on average (short documents: each block walks
 # several slices of few tiles) the Triton kernel is the default even on Hopper: its
