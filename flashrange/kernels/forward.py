@@ -379,11 +379,6 @@ _DEFAULTS = {
 _SM90_DEFAULTS = {
     128: "sm90pp_m128_n128_w4_s3",
 }
-# Below this many query rows per slice on average (short documents: each block walks
-# several slices of few tiles) the Triton kernel is the default even on Hopper: its
-# two programs per SM restart their pipelines more cheaply than the warp-specialized
-# ring does at every slice. Decided from S and Tq alone, so no host sync.
-SM90_MIN_ROWS_PER_SLICE = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,8 +495,7 @@ def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index, short_slices=False):
-    """``short_slices``: the mask's slices average fewer than ``SM90_MIN_ROWS_PER_SLICE`` query rows."""
+def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index):
     if device_type != "cuda" or interpreting:
         return _BY_NAME["cpu_m64_n64"]
     allowed = _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index)
@@ -511,7 +505,7 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
         name = _DEFAULTS[min(k for k in _DEFAULTS if k >= pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
     sm90 = _SM90_DEFAULTS.get(max(pad_dim(head_dim), pad_dim(head_dim_v)))
-    if dtype.itemsize == 2 and sm90 is not None and _BY_NAME[sm90] in allowed and not short_slices:
+    if dtype.itemsize == 2 and sm90 is not None and _BY_NAME[sm90] in allowed:
         return _BY_NAME[sm90]
     if cfg not in allowed:  # e.g. no TMA on this build or chip: fall back to the pointer path
         cfg = next(c for c in allowed if not c.use_tma)
@@ -629,8 +623,7 @@ def range_attention_forward_triton(
         dev_index = q.device.index if q.device.type == "cuda" else -1
         if dev_index is None:
             dev_index = torch.cuda.current_device()
-        short_slices = Tq < SM90_MIN_ROWS_PER_SLICE * q_ranges.shape[0]
-        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index, short_slices)
+        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index)
     elif isinstance(config, str):
         config = _BY_NAME[config]
     if config.gluon and not (q.device.type == "cuda" and not is_interp and _has_gluon_sm90()):
