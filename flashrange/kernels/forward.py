@@ -21,9 +21,13 @@ without any autotuning round-trip, and the launcher never syncs with the host
 (device-side tensor descriptors, warp specialization) are used only where the
 installed Triton has them and the interpreter is off.
 
+On Hopper the default for 2-byte dtypes at padded head dim 128 is the
+warp-specialized Gluon kernel of :mod:`flashrange.kernels.forward_sm90`
+(configs flagged ``gluon``), launched from here with the same arguments; if
+it does not build, the default falls back to this kernel with one warning.
+
 Blocks straddling slice boundaries run every key tile masked for every
-slice they meet; warp specialization is tried only where the installed
-Triton builds it. Measured speeds are in BENCHMARKS.md.
+slice they meet. Measured speeds are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
