@@ -112,29 +112,33 @@ def test_head_dims_softcap(D, dtype):
         check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
 
 
-def test_fuzz_1000():
-    """1000 random masks: garbage, overlapping, empty, edge and length-1 ranges, small sizes."""
-    rng = random.Random(1234)
-    for case in range(1000):
-        Tq = rng.choice([1, 2, 15, 16, 17, 63, 64, 65, 127, 129, 200, 257])
-        Tk = rng.choice([1, 3, 16, 31, 64, 100, 128, 129, 255, 300])
-        G = rng.choice([1, 2, 4])
-        Hkv = rng.choice([1, 2])
-        D = rng.choice([32, 128])
+def _fuzz(seed, n_cases, Tqs, Tks, head_dims, max_slices, config=None):
+    """Random masks (garbage, overlapping, empty, edge and length-1 ranges) through the kernel, three-way checked."""
+    rng = random.Random(seed)
+    for case in range(n_cases):
+        Tq, Tk = rng.choice(Tqs), rng.choice(Tks)
+        G, Hkv = rng.choice([1, 2, 4]), rng.choice([1, 2])
+        D, Dv = rng.choice(head_dims)
         dtype = rng.choice([torch.bfloat16, torch.float16])
         softcap = 5.0 if rng.random() < 0.1 else 0.0
-        q, k, v = make_qkv(Tq, Tk, G * Hkv, Hkv, D, D, dtype, DEV, seed=case)
+        q, k, v = make_qkv(Tq, Tk, G * Hkv, Hkv, D, Dv, dtype, DEV, seed=case)
         qr, kr, mt = random_slices(
-            Tq, Tk, rng.randint(1, 12), seed=case, garbage=rng.random() < 0.3, n_empty=rng.randint(0, 3)
+            Tq, Tk, rng.randint(1, max_slices), seed=case, garbage=rng.random() < 0.3, n_empty=rng.randint(0, 3)
         )
-        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
+        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=config)
         try:
             check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
         except AssertionError as e:
             raise AssertionError(
-                f"case {case}: Tq={Tq} Tk={Tk} G={G} Hkv={Hkv} D={D} {dtype} softcap={softcap}\n"
+                f"case {case}: Tq={Tq} Tk={Tk} G={G} Hkv={Hkv} D={D} Dv={Dv} {dtype} softcap={softcap}\n"
                 f"q_ranges={qr.tolist()} k_ranges={kr.tolist()} types={mt.tolist()}\n{e}"
             ) from None
+
+
+def test_fuzz_1000():
+    """1000 random masks, small sizes, the default config."""
+    _fuzz(1234, 1000, [1, 2, 15, 16, 17, 63, 64, 65, 127, 129, 200, 257], [1, 3, 16, 31, 64, 100, 128, 129, 255, 300],
+          [(32, 32), (128, 128)], 12)
 
 
 def test_bitwise_rerun_padding_permutation():
@@ -479,28 +483,10 @@ def test_gluon_build_failure_falls_back_with_one_warning(gluon_state):
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
 def test_fuzz_hopper_kernel():
-    """300 random masks (garbage, overlapping, empty and edge ranges) forced through the Hopper kernel.
+    """300 random masks forced through the Hopper kernel, at the head dims it serves.
 
-    The 1000-case fuzz above takes the default config, which its head dims and sizes
-    rarely send to the Gluon kernel; this one forces it, at the head dims it serves.
+    The 1000-case fuzz takes the default config, and its sizes rarely reach the
+    Gluon kernel's full tiles; this one forces that kernel on larger shapes.
     """
-    rng = random.Random(4321)
-    for case in range(300):
-        Tq = rng.choice([1, 17, 64, 129, 300, 513, 1000])
-        Tk = rng.choice([1, 31, 128, 255, 640, 1001])
-        G, Hkv = rng.choice([1, 2, 4]), rng.choice([1, 2])
-        D, Dv = rng.choice([(64, 64), (128, 128), (96, 96), (64, 128), (80, 80)])
-        dtype = rng.choice([torch.bfloat16, torch.float16])
-        softcap = 5.0 if rng.random() < 0.1 else 0.0
-        q, k, v = make_qkv(Tq, Tk, G * Hkv, Hkv, D, Dv, dtype, DEV, seed=case)
-        qr, kr, mt = random_slices(
-            Tq, Tk, rng.randint(1, 8), seed=case, garbage=rng.random() < 0.3, n_empty=rng.randint(0, 3)
-        )
-        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config="sm90pp_m128_n128_w4_s3")
-        try:
-            check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
-        except AssertionError as e:
-            raise AssertionError(
-                f"case {case}: Tq={Tq} Tk={Tk} G={G} Hkv={Hkv} D={D} Dv={Dv} {dtype} softcap={softcap}\n"
-                f"q_ranges={qr.tolist()} k_ranges={kr.tolist()} types={mt.tolist()}\n{e}"
-            ) from None
+    _fuzz(4321, 300, [1, 17, 64, 129, 300, 513, 1000], [1, 31, 128, 255, 640, 1001],
+          [(64, 64), (128, 128), (96, 96), (64, 128), (80, 80)], 8, config="sm90pp_m128_n128_w4_s3")

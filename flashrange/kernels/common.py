@@ -33,6 +33,8 @@ __all__ = [
     "slice_diagonals",
     "key_span",
     "query_span",
+    "forward_walk",
+    "full_tile_run",
     "interpreting",
     "launch",
     "jit_launch",
@@ -253,3 +255,41 @@ def query_span(c0, c1, qs, qe, ks, ke, mtype):
     q_hi = tl.where(has_lower, tl.minimum(qe, b - d_min), qe)
     q_hi = tl.where(b > a, q_hi, q_lo)
     return q_lo, q_hi
+
+
+@triton.jit
+def forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N: tl.constexpr):
+    """How the forward walks a slice for rows ``[r0, r1)``: its diagonals, then the key tiles from ``k_lo``.
+
+    Returns ``(has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles)``: those rows reach
+    keys ``[k_lo, k_hi)``, which ``n_tiles`` tiles of ``BLOCK_N`` keys cover (none for an empty
+    slice or a type code outside 0..3: the plan sorts those last, the check keeps a
+    stray one harmless). Shared by the Triton and the Gluon forward.
+    """
+    has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+    a = tl.maximum(r0, qs)
+    b = tl.minimum(r1, qe)
+    k_lo = tl.where(has_lower, tl.maximum(ks, a + d_min), ks)
+    k_hi = tl.where(has_upper, tl.minimum(ke, b + d_max), ke)
+    k_hi = tl.where((b > a) & (mtype >= 0) & (mtype <= 3), k_hi, k_lo)
+    n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
+    return has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles
+
+
+@triton.jit
+def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles,
+                  BLOCK_N: tl.constexpr):
+    """Tiles ``[n_full_lo, n_full_hi)`` of a :func:`forward_walk` inside the slice for every row of ``[h0, h1)``.
+
+    Those tiles skip the element mask: the rows all lie in ``[qs, qe)`` and every key
+    column passes both diagonals (found in closed form). Empty when the rows leave the slice.
+    """
+    rows_in = (h0 >= qs) & (h1 <= qe)
+    c_lo = tl.where(has_lower, tl.maximum(ks, h1 - 1 + d_min), ks)
+    c_hi = tl.where(has_upper, tl.minimum(ke, h0 + d_max + 1), ke)
+    n_full_lo = tl.minimum(tl.cdiv(tl.maximum(c_lo - k_lo, 0), BLOCK_N), n_tiles)
+    n_full_hi = tl.maximum(tl.minimum((c_hi - k_lo) // BLOCK_N, n_tiles), n_full_lo)
+    full_ok = rows_in & (c_hi - k_lo >= 0)
+    n_full_lo = tl.where(full_ok, n_full_lo, n_tiles)
+    n_full_hi = tl.where(full_ok, n_full_hi, n_tiles)
+    return n_full_lo, n_full_hi

@@ -47,6 +47,8 @@ from .common import (
     DEV_NO_DIAGONAL,
     LOG2E,
     fast_launch_enabled,
+    forward_walk,
+    full_tile_run,
     interpreting,
     jit_launch,
     launch,
@@ -236,28 +238,10 @@ def _range_attn_fwd_kernel(
         ks = tl.load(row + 2)
         ke = tl.load(row + 3)
         mtype = tl.load(row + 4)
-        # Slices of unknown type (and empties) are sorted last by the plan and never
-        # in a window; the check keeps a stray one harmless.
-        mtype_ok = (mtype >= 0) & (mtype <= 3)
-        has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
-        # Keys [k_lo, k_hi) that the block's rows reach (common.key_span, inlined).
-        a = tl.maximum(r0, qs)
-        b = tl.minimum(r1, qe)
-        k_lo = tl.where(has_lower, tl.maximum(ks, a + d_min), ks)
-        k_hi = tl.where(has_upper, tl.minimum(ke, b + d_max), ke)
-        k_hi = tl.where((b > a) & mtype_ok, k_hi, k_lo)
-        n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
-
-        # Tiles [n_full_lo, n_full_hi) lie entirely inside the slice:
-        # the block's rows are all in [qs, qe) and every key column passes both diagonals.
-        rows_in = (r0 >= qs) & (r0 + BLOCK_M <= qe)
-        c_lo = tl.where(has_lower, tl.maximum(ks, r0 + BLOCK_M - 1 + d_min), ks)
-        c_hi = tl.where(has_upper, tl.minimum(ke, r0 + d_max + 1), ke)
-        n_full_lo = tl.minimum(tl.cdiv(tl.maximum(c_lo - k_lo, 0), BLOCK_N), n_tiles)
-        n_full_hi = tl.maximum(tl.minimum((c_hi - k_lo) // BLOCK_N, n_tiles), n_full_lo)
-        full_ok = rows_in & (c_hi - k_lo >= 0)
-        n_full_lo = tl.where(full_ok, n_full_lo, n_tiles)
-        n_full_hi = tl.where(full_ok, n_full_hi, n_tiles)
+        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                BLOCK_N)
+        n_full_lo, n_full_hi = full_tile_run(r0, r0 + BLOCK_M, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                                             k_lo, n_tiles, BLOCK_N)
         # Masked tiles: rows of the slice, and diagonal bounds no cell can miss when
         # the type has no such diagonal (|j - i| < 2**30 since T <= MAX_TOKENS).
         row_ok = (offs_m >= qs) & (offs_m < qe)

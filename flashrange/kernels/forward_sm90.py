@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import DEV_BI_CAUSAL, DEV_CAUSAL, DEV_INV_CAUSAL, DEV_LN2, DEV_NO_DIAGONAL
+from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -71,26 +71,9 @@ def _softmax_step(
 
 
 @gluon.jit
-def _slice_span(slices_ptr, s_idx, r0, r1, BLOCK_N: gl.constexpr):
-    """A slice's row ``(qs, qe, ks, ke, mtype)``, its diagonals and the key tiles rows ``[r0, r1)`` reach."""
+def _load_slice(slices_ptr, s_idx):
     row = slices_ptr + s_idx * 5
-    qs = gl.load(row + 0)
-    qe = gl.load(row + 1)
-    ks = gl.load(row + 2)
-    ke = gl.load(row + 3)
-    mtype = gl.load(row + 4)
-    mtype_ok = (mtype >= 0) & (mtype <= 3)
-    has_upper = (mtype == DEV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
-    has_lower = (mtype == DEV_INV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
-    d_max = ke - qe
-    d_min = ks - qs
-    a = gl.maximum(r0, qs)
-    b = gl.minimum(r1, qe)
-    k_lo = gl.where(has_lower, gl.maximum(ks, a + d_min), ks)
-    k_hi = gl.where(has_upper, gl.minimum(ke, b + d_max), ke)
-    k_hi = gl.where((b > a) & mtype_ok, k_hi, k_lo)
-    n_tiles = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BLOCK_N)
-    return qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles
+    return gl.load(row + 0), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
 
 
 @gluon.jit
@@ -118,8 +101,9 @@ def _ws_producer(
         _tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
     it = 0
     for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles = _slice_span(slices_ptr, s_idx, r0, r1,
-                                                                                         BLOCK_N)
+        qs, qe, ks, ke, mtype = _load_slice(slices_ptr, s_idx)
+        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                BLOCK_N)
         # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
         # slice covers cannot reach P @ V through a p of 0.
         v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
@@ -172,17 +156,12 @@ def _ws_consumer(
     # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
     n_blk = 0
     for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, n_tiles = _slice_span(slices_ptr, s_idx, r0, r1,
-                                                                                         BLOCK_N)
+        qs, qe, ks, ke, mtype = _load_slice(slices_ptr, s_idx)
+        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                BLOCK_N)
         # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
-        rows_in = (h0 >= qs) & (h0 + HALF <= qe)
-        c_lo = gl.where(has_lower, gl.maximum(ks, h0 + HALF - 1 + d_min), ks)
-        c_hi = gl.where(has_upper, gl.minimum(ke, h0 + d_max + 1), ke)
-        n_full_lo = gl.minimum(gl.cdiv(gl.maximum(c_lo - k_lo, 0), BLOCK_N), n_tiles)
-        n_full_hi = gl.maximum(gl.minimum((c_hi - k_lo) // BLOCK_N, n_tiles), n_full_lo)
-        full_ok = rows_in & (c_hi - k_lo >= 0)
-        n_full_lo = gl.where(full_ok, n_full_lo, n_tiles)
-        n_full_hi = gl.where(full_ok, n_full_hi, n_tiles)
+        n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                                             k_lo, n_tiles, BLOCK_N)
         row_ok = (offs_m >= qs) & (offs_m < qe)
         d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
         d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
