@@ -488,3 +488,29 @@ def test_hopper_config_refused_off_hopper():
     with pytest.raises(ValueError, match="compute-capability-9 GPU"):
         run_kernel(q, k, v, r, r.clone(), torch.tensor([CAUSAL], dtype=torch.int32), 0.125,
                    config="sm90ws_m128_n128_w4_s2")
+
+
+def _jit_parameters(kernel):
+    """``[(name, is_constexpr)]`` and the unspecialized names of a jitted kernel, interpreted or not."""
+    import inspect
+
+    fn = getattr(kernel, "fn", kernel)
+    params = [(name, "constexpr" in str(p.annotation)) for name, p in inspect.signature(fn).parameters.items()]
+    options = getattr(kernel, "kwargs", None) or {}
+    unspecialized = options.get("do_not_specialize")
+    if unspecialized is None:
+        unspecialized = [p.name for p in kernel.params if p.do_not_specialize]
+    return params, sorted(unspecialized)
+
+
+def test_hopper_kernel_takes_the_triton_kernels_arguments():
+    """The launcher passes one argument list to either kernel: the Gluon kernel's parameters are the Triton
+    kernel's, in order, then its own three; both leave the same sizes unspecialized."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashrange.kernels import forward as fwd
+    from flashrange.kernels.forward_sm90 import range_attn_fwd_sm90_ws_kernel as gluon_kernel
+
+    triton_params, triton_free = _jit_parameters(fwd._range_attn_fwd_kernel)
+    gluon_params, gluon_free = _jit_parameters(gluon_kernel)
+    assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True)]
+    assert gluon_free == triton_free == ["GROUP", "Tk", "Tq"]

@@ -255,7 +255,8 @@ def _ws_consumer_1(
     )
 
 
-@gluon.jit
+# Sizes and the GQA ratio vary from call to call: not specialized on, as in the Triton kernel.
+@gluon.jit(do_not_specialize=["Tq", "Tk", "GROUP"])
 def range_attn_fwd_sm90_ws_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr,
     slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
