@@ -19,8 +19,10 @@ warp-specialized:
   (one arrival per consumer);
 - two consumer warpgroups each own one 64-row half: scores, softmax and
   ``P @ V`` for every tile, then release the slot. While one runs its
-  softmax, the other's matmuls keep the tensor cores busy; the consumers
-  never wait on each other, only on the producer;
+  softmax, the other's matmuls keep the tensor cores busy. With
+  ``IS_PINGPONG`` (the default config) they take turns issuing their
+  matmuls in blocks ``[P_{t-1} V_{t-1}, S_t]`` through a pair of mbarriers;
+  without it they run freely and wait only on the producer;
 - registers are split unevenly (``setmaxnreg``): 240 per consumer thread,
   24 for the producer.
 """
