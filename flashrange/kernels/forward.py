@@ -56,7 +56,6 @@ from .common import (
     pad_dim,
     plan_split,
     run_compiled,
-    slice_diagonals,
 )
 from .plan import build_plan
 
