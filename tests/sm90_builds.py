@@ -106,7 +106,7 @@ def forward_builds():
          False, True),
         ("d128-bf16-documents-softcap-maxlogits-gluon", 128, 128, torch.bfloat16, "sm90ws_m128_n128_w4_s2",
          _docs(300, 3), 30.0, True, False),
-        ("d64-fp16-one-slice-gluon", 64, 64, torch.float16, "sm90ws_m128_n128_w4_s3", [(0, 300, 0, 300, 1)],
+        ("d64-fp16-one-slice-gluon", 64, 64, torch.float16, "sm90pp_m128_n128_w4_s3", [(0, 300, 0, 300, 1)],
          0.0, False, False),
         ("d128-bf16-documents-softcap-gluon-pingpong", 128, 128, torch.bfloat16, "sm90pp_m128_n128_w4_s3",
          _docs(300, 3), 30.0, True, False),

@@ -267,11 +267,8 @@ def forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N: tl.constexpr):
     stray one harmless). Shared by the Triton and the Gluon forward.
     """
     has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
-    a = tl.maximum(r0, qs)
-    b = tl.minimum(r1, qe)
-    k_lo = tl.where(has_lower, tl.maximum(ks, a + d_min), ks)
-    k_hi = tl.where(has_upper, tl.minimum(ke, b + d_max), ke)
-    k_hi = tl.where((b > a) & (mtype >= 0) & (mtype <= 3), k_hi, k_lo)
+    k_lo, k_hi = key_span(r0, r1, qs, qe, ks, ke, mtype)
+    k_hi = tl.where((mtype >= 0) & (mtype <= 3), k_hi, k_lo)
     n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
     return has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles
 

@@ -335,9 +335,7 @@ FWD_CONFIGS = [
     # The Hopper kernel (Gluon, kernels/forward_sm90.py): a producer warp and two consumer
     # warpgroups of 64 rows (4 warps each), a ring of `num_stages` K/V slots.
     FwdConfig("sm90ws_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True),
-    FwdConfig("sm90ws_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True),
     FwdConfig("sm90ws_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True, warp_spec=True, gluon=True),
-    FwdConfig("sm90pp_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True, pingpong=True),
     FwdConfig("sm90pp_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
@@ -369,11 +367,12 @@ _SM90_DEFAULTS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_limit(device_index: int) -> int:
-    """Shared memory a program may take, less a margin for Triton's own scratch."""
+def _smem_limit(device_index: int, gluon: bool) -> int:
+    """Shared memory a program's tiles may take: the device's limit, less a margin for
+    Triton's own scratch, or for a Gluon kernel's few barriers (it takes exactly its tiles)."""
     props = torch.cuda.get_device_properties(device_index)
     optin = getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
-    return optin - 8 * 1024
+    return optin - (1024 if gluon else 8 * 1024)
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,6 +401,7 @@ def _has_gluon_sm90() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _gluon_kernel():
     from .forward_sm90 import range_attn_fwd_sm90_ws_kernel
 
@@ -460,9 +460,7 @@ def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_
             if es == 4 and (c.use_tma or c.BLOCK_M * c.BLOCK_N > 64 * 64):
                 continue
             smem = (c.BLOCK_M * bd + max(c.num_stages, 1) * c.BLOCK_N * (bd + bdv)) * es
-            # Gluon kernels take exactly their tiles and a few barriers; Triton adds scratch.
-            limit = _smem_limit(device_index) + (7 * 1024 if c.gluon else 0) if device_index >= 0 else 0
-            if device_index >= 0 and smem > limit:
+            if device_index >= 0 and smem > _smem_limit(device_index, c.gluon):
                 continue
             # Registers: the accumulator and the score tile per thread.
             regs = (c.BLOCK_M * bdv + c.BLOCK_M * c.BLOCK_N) // (32 * c.num_warps)
