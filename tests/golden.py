@@ -155,6 +155,23 @@ ROW_BUDGET = 1.0
 TENSOR_BUDGET = 0.75
 
 
+def short_slice_rows(Tq, Tk, n, rng, *, max_len=40):
+    """``n`` short slices ``(qs, qe, ks, ke, type)``: at most ``max_len`` rows and keys each, every end different.
+
+    The shape that races a per-slice tensor descriptor against the loads of
+    the slice before it (a kernel's tiles from many slices in quick succession,
+    each slice bounded at its own end). Types are drawn from ``rng``.
+    """
+    rows = []
+    for _ in range(n):
+        qe = rng.randint(1, Tq)
+        qs = qe - rng.randint(1, min(qe, max_len))
+        ke = rng.randint(1, Tk)
+        ks = ke - rng.randint(1, min(ke, max_len))
+        rows.append((qs, qe, ks, ke, rng.randrange(4)))
+    return rows
+
+
 def three_way_errors(got, ref, golden):
     """Per-row and whole-tensor errors of ``got`` and ``ref`` against ``golden`` (float64).
 

@@ -150,8 +150,16 @@ def backward_builds():
         ("d192-dv128-bf16", 192, 128, torch.bfloat16, 0.0, False, False),
         ("d128-fp32", 128, 128, torch.float32, 0.0, False, False),
         ("d128-bf16-int64-view", 128, 128, torch.bfloat16, 0.0, False, True),
+        # The Hopper kernels (Gluon), the default there for 2-byte dtypes padded to head dim 128.
+        ("d128-bf16-gluon", 128, 128, torch.bfloat16, 0.0, False, False),
+        ("d128-bf16-softcap-dlse-gluon", 128, 128, torch.bfloat16, 30.0, True, False),
+        ("d96-fp16-gluon", 96, 96, torch.float16, 0.0, False, False),
+        ("d64-dv128-bf16-gluon", 64, 128, torch.bfloat16, 0.0, False, False),
     ]
     for name, D, Dv, dtype, softcap, with_dlse, int64 in cases:
+        # As on a Hopper GPU: the default config takes the Gluon kernels.
+        bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)
+        bwd._default_config.cache_clear()
         T, Hq = 300, 4
         q, k, v = _qkv(T, Hq, D, Dv, dtype, int64)
         o = torch.empty(T, Hq, Dv, dtype=dtype)
@@ -161,6 +169,7 @@ def backward_builds():
         qr, kr, mt = _ranges(_docs(T, 3))
         plan = plan_mask(qr, kr, mt, T, T)
         config = bwd.default_config(D, Dv, dtype, torch.device("cuda"))
+        assert config.gluon_dkdv == name.endswith("-gluon"), (name, config)
         rec = _Recorder()
         bwd.launch = rec
         bwd.range_attention_backward_triton(do, q, k, v, o, lse, qr, kr, mt, D ** -0.5, softcap, dlse,

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from golden import assert_three_way, random_slice_rows
+from golden import assert_three_way, random_slice_rows, short_slice_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,7 +71,7 @@ def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse=True):
     return q, k, v, do, dlse
 
 
-def _three_way(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, *, softcap=0.0, seed=0, with_dlse=True, golden=True):
+def _three_way(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, *, softcap=0.0, seed=0, with_dlse=True, golden=True, config=None):
     """Kernel gradients checked against the reference; returns ``(grads, inputs)``.
 
     ``golden=False`` (large sizes) uses the reference's float32 math on the
@@ -80,7 +80,7 @@ def _three_way(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, *, softcap=0.0, seed=0, with
     q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse)
     qr, kr, mt = _ranges(rows)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None, softcap)
-    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse, config=config)
     if golden:
         f64 = [t.double() for t in (q, k, v)]
         o64, l64 = reference.range_attention_forward(*f64, qr, kr, mt, None, softcap)
@@ -325,3 +325,130 @@ def test_offsets_past_int32_in_a_strided_view():
     for name, g_, r, x in zip(("dq", "dk", "dv"), gold, ref, got):
         assert_three_way(name, x, r, g_)
     del buf
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper (Gluon) dK/dV and dQ kernels: the default, its fallback, and the kernels forced.
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _gluon_config(D, Dv, dtype):
+    import dataclasses
+
+    from flashrange.kernels.backward import default_config
+
+    return dataclasses.replace(default_config(D, Dv, dtype, torch.device(DEV)), kv_block_n=128, q_block_m=128,
+                               gluon_dkdv=True, gluon_dq=True)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
+def test_gluon_backward_is_the_default_and_builds():
+    """Head dims padded to 128 in 2-byte dtypes take the Gluon kernels by default, and they build (no warning)."""
+    import warnings
+
+    from flashrange.kernels.backward import default_config
+
+    for D, Dv, dtype, want in ((128, 128, torch.bfloat16, True), (96, 96, torch.float16, True),
+                               (64, 128, torch.bfloat16, True), (64, 64, torch.bfloat16, False),
+                               (128, 128, torch.float32, False), (256, 256, torch.bfloat16, False)):
+        cfg = default_config(D, Dv, dtype, torch.device(DEV))
+        assert cfg.gluon_dkdv == cfg.gluon_dq == want, (D, Dv, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _three_way(1031, 1031, 4, 2, 128, 128, [(0, 1031, 0, 1031, CAUSAL), (100, 700, 0, 300, FULL)],
+                   torch.bfloat16, softcap=20.0, seed=3)
+
+
+class _Unbuildable:
+    """Stands in for a Gluon kernel: every launch fails the way a compiler error does."""
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            raise RuntimeError("PassManager::run failed (a stand-in for a Gluon build error)")
+
+        return run
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
+def test_gluon_backward_build_failure_falls_back_with_one_warning(monkeypatch):
+    import warnings
+
+    from flashrange.kernels import backward as bwd
+
+    def clear():
+        bwd._has_gluon_sm90.cache_clear()
+        bwd._default_config.cache_clear()
+
+    monkeypatch.setattr(bwd, "_GLUON_FAILURES", [])
+    monkeypatch.setattr(bwd, "_gluon_kernel", lambda name: _Unbuildable())
+    clear()
+    try:
+        rows = [(0, 777, 0, 777, CAUSAL)]
+        with pytest.warns(RuntimeWarning, match="backward kernel \\(Gluon\\) did not build"):
+            (dq, dk, dv), inputs = _three_way(777, 777, 2, 2, 128, 128, rows, torch.bfloat16, seed=4)
+        assert len(bwd._GLUON_FAILURES) == 1
+        assert not bwd.default_config(128, 128, torch.bfloat16, torch.device(DEV)).gluon_dkdv
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            (dq2, dk2, dv2), _ = _three_way(777, 777, 2, 2, 128, 128, rows, torch.bfloat16, seed=4)
+        assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
+        # A config asking for the Gluon kernels is refused once they are known not to build.
+        with pytest.raises(ValueError, match="compute-capability-9 GPU"):
+            _three_way(777, 777, 2, 2, 128, 128, rows, torch.bfloat16, seed=4,
+                       config=_gluon_config(128, 128, torch.bfloat16))
+    finally:
+        monkeypatch.undo()
+        clear()
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("T,Hq,Hkv,D,build,dtype,softcap,golden", [p for p in REALISTIC if p.values[3] <= 128])
+def test_gluon_backward_realistic_sizes(T, Hq, Hkv, D, build, dtype, softcap, golden):
+    _three_way(T, T, Hq, Hkv, D, D, build(T), dtype, softcap=softcap, seed=T, golden=golden,
+               config=_gluon_config(D, D, dtype))
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("Tq,Tk,Hq,Hkv,n,D,dtype", [
+    pytest.param(1000, 31, 2, 2, 9, 80, torch.float16, id="9-slices-Tk31-D80-fp16"),
+    pytest.param(777, 203, 8, 2, 64, 128, torch.bfloat16, id="64-slices-Tk203-D128-g4"),
+    pytest.param(1500, 2049, 4, 1, 200, 64, torch.bfloat16, id="200-slices-Tk2049-D64-g4"),
+])
+def test_gluon_backward_many_short_slices(Tq, Tk, Hq, Hkv, n, D, dtype):
+    """Many short slices, each bounded at its own ends, through both Gluon kernels, 4 inputs each.
+
+    Their producers build a descriptor per slice (and per query head for dK/dV)
+    and must not rewrite one that loads are still reading (kernels/sm90_common.py).
+    """
+    for seed in range(4):
+        rows = short_slice_rows(Tq, Tk, n, random.Random(seed))
+        try:
+            _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, seed=seed, config=_gluon_config(D, D, dtype))
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: rows={rows}: {e}") from None
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+def test_gluon_backward_fuzz():
+    """300 random problems through the Gluon kernels: all types, overlaps, empties, uncovered rows, GQA, softcap."""
+    rng = random.Random(4321)
+    for case in range(300):
+        Tq = rng.choice([1, 17, 64, 65, rng.randint(1, 700)])
+        Tk = rng.choice([Tq, 1, 33, rng.randint(1, 700)])
+        Hkv = rng.choice([1, 2])
+        Hq = Hkv * rng.choice([1, 2, 4])
+        D = rng.choice([64, 128, 96])
+        dtype = torch.float16 if rng.random() < 0.2 else torch.bfloat16
+        softcap = 4.0 if rng.random() < 0.2 else 0.0
+        uncovered = rng.choice([0, 0, min(3, Tq - 1)])
+        rows = random_slice_rows(Tq, Tk, rng.randint(1, 10), rng, n_empty=rng.randint(0, 3), uncovered=uncovered,
+                                random_types=True, mixed_empties=False)
+        try:
+            (dq, dk, dv), _ = _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, softcap=softcap, seed=case,
+                                         config=_gluon_config(D, D, dtype))
+        except AssertionError as e:
+            raise AssertionError(f"case {case}: Tq={Tq} Tk={Tk} Hq={Hq} Hkv={Hkv} D={D} {dtype} "
+                                 f"softcap={softcap} rows={rows}: {e}") from None
+        if uncovered:
+            assert torch.count_nonzero(dq[Tq - uncovered:]) == 0, f"case {case}"

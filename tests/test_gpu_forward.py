@@ -28,6 +28,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     default_config,
     range_attention_forward_triton,
 )
+from golden import short_slice_rows  # noqa: E402
 from test_kernel_forward import (  # noqa: E402
     BI_CAUSAL,
     CAUSAL,
@@ -479,6 +480,34 @@ def test_gluon_build_failure_falls_back_with_one_warning(gluon_state):
     # A Gluon config asked for by name is refused once the kernel is known not to build.
     with pytest.raises(ValueError, match="Hopper"):
         _run(q, k, v, qr, kr, mt, D ** -0.5, config="sm90ws_m128_n128_w4_s2")
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("Tq,Tk,n,D,dtype,softcap", [
+    pytest.param(1000, 31, 9, 80, torch.float16, 5.0, id="fuzz-case-Tk31-D80-softcap"),
+    pytest.param(777, 203, 64, 128, torch.bfloat16, 0.0, id="64-slices-Tk203-D128"),
+    pytest.param(2049, 1000, 200, 64, torch.bfloat16, 0.0, id="200-slices-Tk1000-D64"),
+])
+def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
+    """Many short slices, each bounded at its own last key, through the Hopper kernel, 8 inputs each.
+
+    A fuzz case of this shape came out wrong before the producer stopped
+    rewriting a value descriptor that loads were still reading (kernels/sm90_common.py).
+    """
+    for seed in range(8):
+        rows = short_slice_rows(Tq, Tk, n, random.Random(seed))
+        if seed == 0 and n == 9:  # the fuzz case itself
+            rows = [(296, 971, 1, 5, 2), (542, 1000, 23, 31, 1), (0, 0, 0, 0, 1), (0, 15, 0, 15, 0),
+                    (727, 728, 1, 27, 2), (210, 801, 11, 12, 1), (752, 994, 24, 31, 2), (288, 676, 5, 30, 1),
+                    (604, 810, 20, 31, 1)]
+        qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
+                                                                    [r[4] for r in rows]))
+        q, k, v = make_qkv(Tq, Tk, 4, 2, D, D, dtype, DEV, seed=seed)
+        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config="sm90pp_m128_n128_w4_s3")
+        try:
+            check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: rows={rows}\n{e}") from None
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")

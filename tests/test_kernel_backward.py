@@ -206,6 +206,26 @@ def test_default_configs_and_config_checks():
         BwdConfig(16, 16, 0, 1, 16, 16, 4, 1)
     with pytest.raises(ValueError, match="does not divide"):
         BwdConfig(16, 256, 4, 1, 16, 16, 4, 1)
+    with pytest.raises(ValueError, match="gluon_dkdv needs kv_block_n=128"):
+        BwdConfig(32, 64, 4, 1, 128, 64, 4, 1, gluon_dkdv=True)
+    with pytest.raises(ValueError, match="gluon_dq needs q_block_m=128"):
+        BwdConfig(32, 128, 4, 1, 64, 64, 4, 1, gluon_dq=True)
+    with pytest.raises(ValueError, match="must be a bool"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=1)
+
+
+def test_hopper_backward_refused_off_hopper():
+    """The Gluon backward kernels are never the default here, and a config asking for them says what it needs."""
+    for dev in (torch.device("cuda"), torch.device("cpu")):
+        for D in (64, 96, 128):
+            cfg = default_config(D, D, torch.bfloat16, dev)
+            assert not (cfg.gluon_dkdv or cfg.gluon_dq)
+    q = torch.randn(40, 2, 64).bfloat16()
+    k = v = torch.randn(40, 1, 64).bfloat16()
+    qr, kr, mt = _ranges([(0, 40, 0, 40, CAUSAL)])
+    forced = BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, gluon_dq=True)
+    with pytest.raises(ValueError, match="compute-capability-9 GPU"):
+        range_attention_backward_triton(q, q, k, v, q, torch.zeros(40, 2), qr, kr, mt, config=forced)
 
 
 def test_bad_shapes_raise():

@@ -456,23 +456,23 @@ def test_recorded_launches_are_bounded(monkeypatch):
 
 
 def test_tma_scratch_allocator_is_set_on_every_call_in_every_thread(monkeypatch):
-    """Triton keeps its allocator per thread (a context variable): the forward sets it on each launch that builds
+    """Triton keeps its allocator per thread (a context variable): the forward and the Hopper backward set it on each launch that builds
     tensor descriptors, in whatever thread that is (the autograd engine's, under activation checkpointing),
     never behind a process-wide "done" flag (docs/design.md §6; the GPU twin is in tests/test_gpu_eager.py)."""
     import threading
 
     import triton
 
-    from flashrange.kernels import forward as fwd_mod
+    from flashrange.kernels.common import ensure_tma_allocator, tma_scratch
 
     calls = []
     monkeypatch.setattr(triton, "set_allocator", lambda alloc: calls.append((threading.get_ident(), alloc)))
-    fwd_mod._ensure_allocator()
-    fwd_mod._ensure_allocator()
-    th = threading.Thread(target=fwd_mod._ensure_allocator)
+    ensure_tma_allocator()
+    ensure_tma_allocator()
+    th = threading.Thread(target=ensure_tma_allocator)
     th.start()
     th.join()
-    assert len(calls) == 3 and all(alloc is fwd_mod._scratch for _, alloc in calls)
+    assert len(calls) == 3 and all(alloc is tma_scratch for _, alloc in calls)
     assert calls[0][0] == calls[1][0] != calls[2][0]
 
 

@@ -40,6 +40,7 @@ from ..validation import resolve_scale
 from .common import (
     DEV_LOG2E,
     DEV_NO_DIAGONAL,
+    ensure_tma_allocator,
     interpreting,
     key_span,
     launch,
@@ -48,6 +49,7 @@ from .common import (
     plan_split,
     query_span,
     slice_diagonals,
+    warn_gluon_fallback,
 )
 from .plan import build_plan
 
@@ -428,9 +430,18 @@ class BwdConfig:
     q_block_n: int
     q_warps: int
     q_stages: int
+    # The dK/dV (dQ) kernel is the Hopper one of kernels/backward_sm90.py (Gluon): needs a
+    # compute-capability-9 GPU and kv_block_n (q_block_m) 128. Calls it cannot take (fp32, padded
+    # head dims other than 64/128, views not 16-byte aligned) run the Triton kernel.
+    gluon_dkdv: bool = False
+    gluon_dq: bool = False
 
     def __post_init__(self):
         for f in fields(self):
+            if f.name in ("gluon_dkdv", "gluon_dq"):
+                if not isinstance(getattr(self, f.name), bool):
+                    raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+                continue
             x = getattr(self, f.name)
             if not isinstance(x, int) or x <= 0:
                 raise ValueError(f"BwdConfig.{f.name} must be a positive int, got {x!r}")
@@ -438,15 +449,38 @@ class BwdConfig:
                 raise ValueError(f"BwdConfig.{f.name} must be a power of two >= 16, got {x}")
         plan_split(self.kv_block_n)
         plan_split(self.q_block_m)
+        if self.gluon_dkdv and self.kv_block_n != 128:
+            raise ValueError(f"BwdConfig.gluon_dkdv needs kv_block_n=128, got {self.kv_block_n}")
+        if self.gluon_dq and self.q_block_m != 128:
+            raise ValueError(f"BwdConfig.gluon_dq needs q_block_m=128, got {self.q_block_m}")
 
 
 def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:
     """The launch shape used for head dims ``D``/``Dv`` and ``dtype`` on ``device``."""
-    return _default_config(D, Dv, dtype, device.type == "cuda")
+    cuda = device.type == "cuda"
+    return _default_config(D, Dv, dtype, cuda, cuda and _has_gluon_sm90(device.index))
+
+
+# Set when a Gluon backward kernel failed to build here: every later call takes the Triton kernels.
+_GLUON_FAILURES = []
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool) -> BwdConfig:
+def _has_gluon_sm90(device_index) -> bool:
+    """Whether the Hopper backward kernels can run on this device (compute capability 9, Gluon's Hopper ops)."""
+    if _GLUON_FAILURES or interpreting() or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        from . import backward_sm90  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: bool) -> BwdConfig:
     if not cuda:
         # The interpreter: small tiles, so that small test shapes still cross
         # several tiles, masked and unmasked.
@@ -464,7 +498,10 @@ def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool) -> BwdConfi
     if d <= 64:
         return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
     if d <= 128:
-        return BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
+        # Padded to 128 on Hopper: the Gluon kernels (faster on every mask timed but dense
+        # full, BENCHMARKS.md sixth session); head dim 64 keeps the Triton ones (not timed).
+        gluon = hopper and dtype.itemsize == 2 and max(pad_dim(D), pad_dim(Dv)) == 128
+        return BwdConfig(32, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon)
     return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
@@ -491,9 +528,14 @@ def range_attention_backward_triton(
     if Tq == 0 or Tk == 0 or Hq == 0 or D == 0 or Dv == 0 or mask_types.numel() == 0:
         return _zeros(q, k, v)
     if config is None:
-        cfg = _default_config(D, Dv, q.dtype, q.device.type == "cuda")
+        cfg = default_config(D, Dv, q.dtype, q.device)
     elif isinstance(config, BwdConfig):
         cfg = config
+        if (cfg.gluon_dkdv or cfg.gluon_dq) and not _has_gluon_sm90(q.device.index if q.device.type == "cuda" else None):
+            raise ValueError(
+                "BwdConfig.gluon_dkdv / gluon_dq select the Hopper (Gluon) backward kernels: they need a "
+                "compute-capability-9 GPU and a Triton with Gluon's Hopper ops (and had not failed to build "
+                "here); set both to False for the Triton kernels")
     else:
         raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
     q_split, dq_meta, kv_split, dkdv_meta = _static_args(D, Dv, q.dtype, cfg, interpreting())
@@ -525,7 +567,7 @@ def range_attention_backward_triton(
     with torch.cuda.device(dev) if other_device else contextlib.nullcontext():
         if plan is None:
             plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
-        launch(_bwd_dq_kernel, (plan.q_block_order.shape[0] * q_split * Hq,), (
+        dq_args = (
             q, k, v, dout, out, lse, dlse, ws, dq,
             plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
             Tq, Tk, Hq, G, D, Dv,
@@ -533,8 +575,9 @@ def range_attention_backward_triton(
             sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1], sdq[0], sdq[1],
             scale, softcap,
             has_dlse, has_softcap, row64, *dq_meta,
-        ), num_warps=cfg.q_warps, num_stages=cfg.q_stages)
-        launch(_bwd_dkdv_kernel, (plan.k_block_order.shape[0] * kv_split * Hkv,), (
+        )
+        dq_grid = (plan.q_block_order.shape[0] * q_split * Hq,)
+        dkdv_args = (
             q, k, v, dout, ws, dk, dv,
             plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
             Tq, Tk, Hq, Hkv, G, D, Dv,
@@ -542,8 +585,54 @@ def range_attention_backward_triton(
             sdo[0], sdo[1], sdk[0], sdk[1], sdv[0], sdv[1],
             scale, softcap,
             has_softcap, row64, *dkdv_meta,
-        ), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        )
+        dkdv_grid = (plan.k_block_order.shape[0] * kv_split * Hkv,)
+        gluon = (cfg.gluon_dq or cfg.gluon_dkdv) and _gluon_takes(q, k, v, dout)
+        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
+        for use_gluon, name, grid, args, stages, warps in (
+            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps),
+            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps),
+        ):
+            triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
+            if use_gluon and not _GLUON_FAILURES:
+                try:
+                    ensure_tma_allocator()
+                    launch(_gluon_kernel(name), grid, args + (stages, 4), num_warps=4, maxnreg=_WS_MAXNREG)
+                    continue
+                except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
+                    if config is not None:
+                        raise
+                    _disable_gluon(e)
+            launch(triton_kernel, grid, args, num_warps=warps, num_stages=stages)
     return dq, dk, dv
+
+
+def _gluon_takes(q, k, v, dout) -> bool:
+    """Whether the Gluon kernels can take these tensors (else a Gluon config runs the Triton kernels)."""
+    if q.dtype.itemsize != 2 or pad_dim(q.shape[2]) not in (64, 128) or pad_dim(v.shape[2]) not in (64, 128):
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in (q, k, v, dout))
+
+
+# The Gluon kernels' register cap per thread at launch: over their 12 warps the whole register
+# file, which the partitions split as 240 / 240 / 24 (as in the Hopper forward).
+_WS_MAXNREG = 168
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_kernel(name: str):
+    from . import backward_sm90
+
+    return getattr(backward_sm90, name)
+
+
+def _disable_gluon(error: Exception) -> None:
+    """A Gluon backward kernel failed to build: say so once; every later call takes the Triton kernels."""
+    _GLUON_FAILURES.append(f"{type(error).__name__}: {error}")
+    for cached in (_has_gluon_sm90, _default_config):
+        cached.cache_clear()
+    warn_gluon_fallback("backward", error, stacklevel=5)
 
 
 def _workspace(Hq, Tq, device):

@@ -13,6 +13,7 @@ a few integer comparisons.
 """
 
 import os
+import warnings
 
 import torch
 import triton
@@ -34,6 +35,9 @@ __all__ = [
     "key_span",
     "query_span",
     "forward_walk",
+    "tma_scratch",
+    "ensure_tma_allocator",
+    "warn_gluon_fallback",
     "full_tile_run",
     "interpreting",
     "launch",
@@ -290,3 +294,31 @@ def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_
     n_full_lo = tl.where(full_ok, n_full_lo, n_tiles)
     n_full_hi = tl.where(full_ok, n_full_hi, n_tiles)
     return n_full_lo, n_full_hi
+
+
+def tma_scratch(size: int, alignment: int, stream):
+    # Called at launch, under the launcher's device guard.
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def warn_gluon_fallback(what: str, error: Exception, stacklevel: int) -> None:
+    """One warning that a Hopper (Gluon) kernel did not build and the Triton kernel runs instead."""
+    warnings.warn(
+        f"flashrange: the Hopper {what} kernel (Gluon) did not build with Triton {triton.__version__} "
+        f"({type(error).__name__}: {str(error)[:500]}); the Triton kernel runs instead, slower on this GPU. "
+        "Please report this with your Triton version.",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def ensure_tma_allocator():
+    """Device-side tensor descriptors need global scratch; take it from PyTorch's allocator.
+
+    Triton keeps its allocator in a context variable, so every thread has its own:
+    the autograd engine's worker thread (where activation checkpointing runs the
+    forward again) and a user's threads start without one. Setting it is one
+    ``ContextVar.set``, so it is done on every launch that needs it, never
+    remembered in a flag.
+    """
+    triton.set_allocator(tma_scratch)

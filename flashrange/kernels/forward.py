@@ -33,7 +33,6 @@ slice they meet. Measured speeds are in BENCHMARKS.md.
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,6 +45,7 @@ from .common import (
     DEV_LN2,
     DEV_NO_DIAGONAL,
     LOG2E,
+    ensure_tma_allocator,
     fast_launch_enabled,
     forward_walk,
     full_tile_run,
@@ -56,6 +56,7 @@ from .common import (
     pad_dim,
     plan_split,
     run_compiled,
+    warn_gluon_fallback,
 )
 from .plan import build_plan
 
@@ -497,23 +498,6 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
     return cfg
 
 
-def _scratch(size: int, alignment: int, stream):
-    # Called at launch, under the launcher's device guard.
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-
-
-def _ensure_allocator():
-    """Device-side tensor descriptors need global scratch; take it from PyTorch's allocator.
-
-    Triton keeps its allocator in a context variable, so every thread has its own:
-    the autograd engine's worker thread (where activation checkpointing runs the
-    forward again) and a user's threads start without one. Setting it is one
-    ``ContextVar.set``, so it is done on every launch that needs it, never
-    remembered in a flag.
-    """
-    triton.set_allocator(_scratch)
-
-
 # Per call signature (see _signature): the compiled kernel and every launch argument
 # that follows from it, so a repeated call skips the checks, the config choice and
 # the dispatcher. Bounded: shapes that change every step must not grow it forever.
@@ -582,7 +566,7 @@ def range_attention_forward_triton(
             lse = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
             rowmax = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device) if return_max_logits else None
             if recipe.uses_tma:
-                _ensure_allocator()
+                ensure_tma_allocator()
             run_compiled(recipe.handle, recipe.grid, _recorded_args(recipe, q, k, v, out, lse, rowmax, plan), device)
             return _with_max_logits(out, lse, rowmax)
     Tq, Hq, D = q.shape
@@ -629,7 +613,7 @@ def range_attention_forward_triton(
         and all(_tma_aligned(t) for t in (q, k, v))
     )
     if use_tma:
-        _ensure_allocator()
+        ensure_tma_allocator()
     split = plan_split(config.BLOCK_M)
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         # Triton launches on the current device; the inputs live on another one.
@@ -666,13 +650,7 @@ def _disable_gluon(error: Exception) -> None:
     for cached in (_has_gluon_sm90, _configs_for, _default_config):
         cached.cache_clear()
     _RECIPES.clear()
-    warnings.warn(
-        f"flashrange: the Hopper forward kernel (Gluon) did not build with Triton {triton.__version__} "
-        f"({type(error).__name__}: {str(error)[:500]}); the Triton kernel runs instead, slower on this GPU. "
-        "Please report this with your Triton version.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    warn_gluon_fallback("forward", error, stacklevel=4)
 
 
 def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_tma, is_interp, sig, *,

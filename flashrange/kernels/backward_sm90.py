@@ -1,0 +1,531 @@
+"""Hopper (sm_90) backward of range attention in Gluon: the dK/dV and dQ kernels (docs/design.md §7).
+
+Supported: bfloat16 and float16, padded head dims ``D`` and ``Dv`` of 64 or
+128, views whose rows are 16-byte aligned, every slice type, overlapping and
+empty slices, GQA, softcap and a gradient through lse. Anything else runs the
+Triton kernels of :mod:`flashrange.kernels.backward`, which launch these.
+
+Each kernel has its Triton twin's parameters (plus ``STAGES`` and
+``NUM_WARPS``), grid, program order, plan and arithmetic, so the gradients
+are deterministic and invariant to slice order and empty slices in the same
+way. The dQ kernel runs first and writes the ``(delta, lse * log2(e))``
+workspace that the dK/dV kernel reads. Both are warp-specialized like the
+Hopper forward: a producer warp issues every TMA load into a ring of
+``STAGES`` slots ("ready" and "empty" mbarriers), and two consumer
+warpgroups each own half of the program's block, with registers split
+240 / 240 / 24.
+
+- dK/dV: a program owns ``BLOCK_N`` keys of one key/value head and walks every
+  (slice, query head of its group) pair of its plan window, accumulating dK
+  and dV in registers (no atomics). The producer loads the block's K and V
+  halves once, then each pair's query tiles (``BLOCK_M`` rows of q and dO). A
+  slice's tiles start at its first row that reads the block (``m_lo``) and
+  its q and dO descriptors end at its last (``m_hi``): every row loaded is a
+  row the slice covers, so a NaN in an uncovered row of q or dO cannot reach
+  a gradient through a zero probability. Per tile each consumer computes
+  ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dS^T`` and
+  ``dK += dS^T Q``, then releases the slot.
+- dQ: a program owns ``BLOCK_M`` query rows of one head; the producer loads
+  its q halves once, then each slice's K/V tiles, with descriptors ending at
+  the slice's last key; dO and O come through pointer loads so that rows no
+  slice covers stay zero.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+
+from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, query_span, slice_diagonals
+from .sm90_common import tma_load, wait_tile_landed
+
+__all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
+
+
+@gluon.jit
+def _slice_rows(slices_ptr, s, c0, c1, BLOCK_M: gl.constexpr):
+    """A slice's rows ``[m_lo, m_hi)`` that read keys ``[c0, c1)``, its tiles from ``m_lo``, and its geometry."""
+    row = slices_ptr + s * 5
+    qs = gl.load(row + 0)
+    qe = gl.load(row + 1)
+    ks = gl.load(row + 2)
+    ke = gl.load(row + 3)
+    mtype = gl.load(row + 4)
+    m_lo, m_hi = query_span(c0, c1, qs, qe, ks, ke, mtype)
+    n_tiles = gl.cdiv(gl.maximum(m_hi - m_lo, 0), BLOCK_M)
+    return qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles
+
+
+@gluon.jit
+def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
+    """The slice's cells of a (keys x rows) tile; rows outside the slice already have p = 0 through lse."""
+    diag = gl.expand_dims(offs_n, 1) - gl.expand_dims(offs_m, 0)
+    return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 1) & (diag <= d_hi) & (diag >= d_lo)
+
+
+@gluon.jit
+def _issue_pair(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, BLOCK: gl.constexpr,
+                TILE_BYTES: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of one slice's ``n_tiles`` tiles of two tensors from row ``start``, ring tiles ``it, it + 1, ...``."""
+    for t in range(n_tiles):
+        cur = it + t
+        slot = cur % STAGES
+        mbarrier.wait(empty.index(slot), ((cur // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, TILE_BYTES)
+        r = start + t * BLOCK
+        tma_load(a_desc, [r, 0], bar, a_smem.index(slot))
+        tma_load(b_desc, [r, 0], bar, b_smem.index(slot))
+
+
+@gluon.jit
+def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty = smem
+    (pid_hk, c0, c1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+     stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+    HALF: gl.constexpr = BLOCK_N // 2
+    d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    TILE_BYTES: gl.constexpr = BLOCK_M * (BLOCK_D + BLOCK_DV) * 2
+    hk = pid_hk.to(gl.int64)
+    k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[Tk, D], strides=[stride_kt, 1],
+                                        block_shape=[HALF, BLOCK_D], layout=d_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[Tk, DV], strides=[stride_vt, 1],
+                                        block_shape=[HALF, BLOCK_DV], layout=dv_layout)
+    for j in gl.static_range(2):
+        mbarrier.expect(kv_ready.index(j), HALF * (BLOCK_D + BLOCK_DV) * 2)
+        tma_load(k_desc, [c0 + j * HALF, 0], kv_ready.index(j), k_smem.index(j))
+        tma_load(v_desc, [c0 + j * HALF, 0], kv_ready.index(j), v_smem.index(j))
+    it = 0
+    # The last tile loaded through each of the two pairs of descriptors (sm90_common: a
+    # descriptor is rewritten only once its loads have landed).
+    last_a = it - 1
+    last_b = it - 1
+    for sg in range(s_lo * G, s_hi * G):
+        s = sg // G
+        h = (pid_hk * G + sg - s * G).to(gl.int64)
+        qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
+        # Rows at or past m_hi read as zeros.
+        if (sg - s_lo * G) % 2 == 0:
+            wait_tile_landed(ready, last_a, it, STAGES)
+            q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
+                                                strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
+                                                layout=d_layout)
+            do_desc = tma.make_tensor_descriptor(do_ptr + h * stride_doh, shape=[gl.maximum(m_hi, 1), DV],
+                                                 strides=[stride_dot, 1], block_shape=[BLOCK_M, BLOCK_DV],
+                                                 layout=dv_layout)
+            _issue_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
+                        STAGES)
+            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+        else:
+            wait_tile_landed(ready, last_b, it, STAGES)
+            q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
+                                                strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
+                                                layout=d_layout)
+            do_desc = tma.make_tensor_descriptor(do_ptr + h * stride_doh, shape=[gl.maximum(m_hi, 1), DV],
+                                                 strides=[stride_dot, 1], block_shape=[BLOCK_M, BLOCK_DV],
+                                                 layout=dv_layout)
+            _issue_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
+                        STAGES)
+            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+        it += n_tiles
+
+
+@gluon.jit
+def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr):
+    """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of the block, on one warpgroup."""
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty = smem
+    (pid_hk, c0, c1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+     stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+    HALF: gl.constexpr = BLOCK_N // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_M, 16])
+    mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_D, 16])
+    mma_v: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_DV, 16])
+    pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_v, k_width=2)
+    dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_k, k_width=2)
+    key_t: gl.constexpr = gl.SliceLayout(1, mma_t)
+    row_t: gl.constexpr = gl.SliceLayout(0, mma_t)
+    qk_scale2 = scale * DEV_LOG2E
+    n0 = c0 + J * HALF
+    offs_n = n0 + gl.arange(0, HALF, layout=key_t)
+    dk = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_k)
+    dv = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_v)
+    t_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma_t)
+    k_half = k_smem.index(J)
+    v_half = v_smem.index(J)
+    lse2_ptr = ws_ptr + Hq.to(gl.int64) * Tq
+    mbarrier.wait(kv_ready.index(J), 0)
+    it = 0
+    for sg in range(s_lo * G, s_hi * G):
+        s = sg // G
+        h = (pid_hk * G + sg - s * G).to(gl.int64)
+        qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
+        has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+        # Rows that read every key of the whole block form one run [f_lo, f_hi) (as in the Triton kernel).
+        f_lo = gl.where(has_upper, gl.maximum(qs, c1 - 1 - d_max), qs)
+        f_hi = gl.where(has_lower, gl.minimum(qe, c0 - d_min + 1), qe)
+        f_lo = gl.minimum(gl.maximum(f_lo, m_lo), m_hi)
+        f_hi = gl.minimum(gl.maximum(f_hi, f_lo), m_hi)
+        keys_inside = (c0 >= ks) & (c1 <= ke)
+        f_lo = gl.where(keys_inside, f_lo, m_hi)
+        f_hi = gl.where(keys_inside, f_hi, m_hi)
+        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        delta_head_ptr = ws_ptr + h * Tq
+        lse2_head_ptr = lse2_ptr + h * Tq
+        for t in range(n_tiles):
+            cur = it + t
+            slot = cur % STAGES
+            r = m_lo + t * BLOCK_M
+            offs_m = r + gl.arange(0, BLOCK_M, layout=row_t)
+            mask_m = offs_m < m_hi
+            # Rows past the slice's reach: p = 0 through lse = +inf (their q and dO read as zeros).
+            lse2 = gl.load(lse2_head_ptr + offs_m, mask=mask_m, other=float("inf"))
+            delta = gl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
+            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+            q_tile = q_smem.index(slot)
+            do_tile = do_smem.index(slot)
+            qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False)
+            if HAS_SOFTCAP:
+                e = gl.exp2(qkT * (2.0 * DEV_LOG2E * scale / softcap))
+                th = 1.0 - 2.0 / (e + 1.0)
+                pT = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 0))
+            else:
+                pT = gl.exp2(qkT * qk_scale2 - gl.expand_dims(lse2, 0))
+            is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
+            if is_edge:
+                pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), pT, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pt_layout), do_tile, dv)
+            dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False)
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            if HAS_SOFTCAP:
+                dsT = dsT * (1.0 - th * th)
+            if is_edge:
+                # A key of the block that these rows do not read may hold NaN in v (dpT):
+                # 0 * NaN must not reach its dK.
+                dsT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), dsT, 0.0)
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), dst_layout), q_tile, dk)
+            mbarrier.arrive(empty.index(slot), count=1)
+        it += n_tiles
+
+    dk = dk * scale
+    key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
+    col_k: gl.constexpr = gl.SliceLayout(0, mma_k)
+    key_v: gl.constexpr = gl.SliceLayout(1, mma_v)
+    col_v: gl.constexpr = gl.SliceLayout(0, mma_v)
+    hk = pid_hk.to(gl.int64)
+    rows_k = (n0 + gl.arange(0, HALF, layout=key_k)).to(gl.int64)
+    cols_k = gl.arange(0, BLOCK_D, layout=col_k)
+    gl.store(dk_ptr + hk * stride_dkh + gl.expand_dims(rows_k * stride_dkt, 1) + gl.expand_dims(cols_k, 0),
+             dk.to(dtype), mask=gl.expand_dims(rows_k < Tk, 1) & gl.expand_dims(cols_k < D, 0))
+    rows_v = (n0 + gl.arange(0, HALF, layout=key_v)).to(gl.int64)
+    cols_v = gl.arange(0, BLOCK_DV, layout=col_v)
+    gl.store(dv_ptr + hk * stride_dvh + gl.expand_dims(rows_v * stride_dvt, 1) + gl.expand_dims(cols_v, 0),
+             dv.to(dtype), mask=gl.expand_dims(rows_v < Tk, 1) & gl.expand_dims(cols_v < DV, 0))
+
+
+@gluon.jit
+def _consumer_1(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+    # Worker partitions share one signature: the second half's consumer, in the producer's.
+    _consumer(ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 1)
+
+
+@gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
+def bwd_dkdv_sm90_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
+    Tq, Tk, Hq, Hkv, G, D, DV,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    scale, softcap,
+    HAS_SOFTCAP: gl.constexpr, IS_INT64: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
+    IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+):
+    """The Triton dK/dV kernel's parameters and grid, plus ``STAGES`` and ``NUM_WARPS``; launched with 4 warps
+    (the first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HALF: gl.constexpr = BLOCK_N // 2
+    d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    pid = gl.program_id(0)
+    pid_hk = pid % Hkv
+    pid_rank = pid // Hkv
+    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
+    pid_n = pid_plan * SPLIT + pid_rank % SPLIT
+    c0 = pid_n * BLOCK_N
+    c1 = gl.minimum(c0 + BLOCK_N, Tk)
+    s_lo = gl.load(block_lo_ptr + pid_plan)
+    s_hi = gl.load(block_hi_ptr + pid_plan)
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], d_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DV], dv_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    # Runtime values only in the tuple variables (a constexpr stored in one reaches the partitions as a tensor).
+    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr)
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty)
+    scalars = (pid_hk, c0, c1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh,
+               stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale,
+               softcap)
+    gl.warp_specialize([
+        (_consumer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 0)),
+        (_consumer_1, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
+        (_producer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------
+# dQ (and the (delta, lse * log2(e)) workspace), same structure: a producer warp loads the query
+# block's two halves once and each slice's K/V tiles into a ring (descriptors ending at the
+# slice's last key); two consumer warpgroups of 64 rows each load their dO and O rows with
+# pointers (uncovered rows read as zeros, so a NaN there cannot reach dQ), write delta and
+# lse * log2(e) for their rows, then walk the key tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+
+
+@gluon.jit
+def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                 BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+                 STAGES: gl.constexpr):
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr = ptrs
+    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
+    (pid_h, r0, r1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
+     stride_dqt, stride_dqh, scale, softcap) = scalars
+    HALF: gl.constexpr = BLOCK_M // 2
+    d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    TILE_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
+    h = pid_h.to(gl.int64)
+    hk = (pid_h // G).to(gl.int64)
+    q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[Tq, D], strides=[stride_qt, 1],
+                                        block_shape=[HALF, BLOCK_D], layout=d_layout)
+    for j in gl.static_range(2):
+        mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
+        tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
+    it = 0
+    # As in the dK/dV producer: two pairs of descriptors by turns.
+    last_a = it - 1
+    last_b = it - 1
+    for s in range(s_lo, s_hi):
+        qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
+        # Keys at or past the slice's end read as zeros.
+        if (s - s_lo) % 2 == 0:
+            wait_tile_landed(ready, last_a, it, STAGES)
+            k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
+                                                strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
+                                                layout=d_layout)
+            v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[gl.maximum(ke, 1), DV],
+                                                strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV],
+                                                layout=dv_layout)
+            _issue_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
+                        STAGES)
+            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+        else:
+            wait_tile_landed(ready, last_b, it, STAGES)
+            k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
+                                                strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
+                                                layout=d_layout)
+            v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[gl.maximum(ke, 1), DV],
+                                                strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV],
+                                                layout=dv_layout)
+            _issue_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
+                        STAGES)
+            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+        it += n_tiles
+
+
+@gluon.jit
+def _slice_keys(slices_ptr, s, r0, r1, BLOCK_N: gl.constexpr):
+    """A slice's keys ``[n_lo, n_hi)`` that rows ``[r0, r1)`` read, its tiles from ``n_lo``, and its geometry."""
+    row = slices_ptr + s * 5
+    qs = gl.load(row + 0)
+    qe = gl.load(row + 1)
+    ks = gl.load(row + 2)
+    ke = gl.load(row + 3)
+    mtype = gl.load(row + 4)
+    n_lo, n_hi = key_span(r0, r1, qs, qe, ks, ke, mtype)
+    n_tiles = gl.cdiv(gl.maximum(n_hi - n_lo, 0), BLOCK_N)
+    return qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles
+
+
+@gluon.jit
+def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                 BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+                 STAGES: gl.constexpr, J: gl.constexpr):
+    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of the block, on one warpgroup."""
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr = ptrs
+    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
+    (pid_h, r0, r1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
+     stride_dqt, stride_dqh, scale, softcap) = scalars
+    HALF: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_D, 16])
+    do_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    h = pid_h.to(gl.int64)
+    h0 = r0 + J * HALF
+    h1 = h0 + HALF
+    # Rows no slice covers (lse = -inf) and rows past Tq: lse = +inf, so p = 0 whatever the tile; their
+    # dO, O and dlse are not loaded (dO = 0, delta = 0).
+    rows_b = h0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
+    cols_b = gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, blk))
+    lse_b = gl.load(lse_ptr + h * stride_lh + rows_b.to(gl.int64) * stride_lt, mask=rows_b < Tq,
+                    other=float("-inf"))
+    covered_b = lse_b != float("-inf")
+    m2 = gl.expand_dims(covered_b, 1) & gl.expand_dims(cols_b < DV, 0)
+    do_b = gl.load(do_ptr + h * stride_doh + gl.expand_dims(rows_b.to(gl.int64) * stride_dot, 1)
+                   + gl.expand_dims(cols_b, 0), mask=m2, other=0.0)
+    o_b = gl.load(o_ptr + h * stride_oh + gl.expand_dims(rows_b.to(gl.int64) * stride_ot, 1)
+                  + gl.expand_dims(cols_b, 0), mask=m2, other=0.0)
+    delta_b = gl.sum(o_b.to(gl.float32) * do_b.to(gl.float32), 1)
+    if HAS_DLSE:
+        delta_b -= gl.load(dlse_ptr + h * stride_dlh + rows_b.to(gl.int64) * stride_dlt, mask=covered_b, other=0.0)
+    lse2_b = gl.where(covered_b, lse_b * DEV_LOG2E, float("inf"))
+    gl.store(ws_ptr + h * Tq + rows_b, delta_b, mask=rows_b < Tq)
+    gl.store(ws_ptr + (Hq.to(gl.int64) + h) * Tq + rows_b, lse2_b, mask=rows_b < Tq)
+    do_op = gl.convert_layout(do_b, do_layout)
+    delta = gl.convert_layout(delta_b, row_s)
+    lse2 = gl.convert_layout(lse2_b, row_s)
+    offs_m = h0 + gl.arange(0, HALF, layout=row_s)
+    dq = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_q)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
+    qk_scale2 = scale * DEV_LOG2E
+    q_half = q_smem.index(J)
+    mbarrier.wait(q_ready.index(J), 0)
+    it = 0
+    for s in range(s_lo, s_hi):
+        qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
+        has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+        # Keys that every row of this half reads form one run [f_lo, f_hi).
+        f_lo = gl.where(has_lower, gl.maximum(ks, h1 - 1 + d_min), ks)
+        f_hi = gl.where(has_upper, gl.minimum(ke, h0 + d_max + 1), ke)
+        f_lo = gl.minimum(gl.maximum(f_lo, n_lo), n_hi)
+        f_hi = gl.minimum(gl.maximum(f_hi, f_lo), n_hi)
+        rows_inside = (h0 >= qs) & (h1 <= qe)
+        f_lo = gl.where(rows_inside, f_lo, n_hi)
+        f_hi = gl.where(rows_inside, f_hi, n_hi)
+        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        for t in range(n_tiles):
+            cur = it + t
+            slot = cur % STAGES
+            c = n_lo + t * BLOCK_N
+            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+            k_tile = k_smem.index(slot)
+            qk = warpgroup_mma(q_half, k_tile.permute((1, 0)), s_zero, use_acc=False)
+            if HAS_SOFTCAP:
+                e = gl.exp2(qk * (2.0 * DEV_LOG2E * scale / softcap))
+                th = 1.0 - 2.0 / (e + 1.0)
+                p = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 1))
+            else:
+                p = gl.exp2(qk * qk_scale2 - gl.expand_dims(lse2, 1))
+            is_edge = (c < f_lo) | (c + BLOCK_N > f_hi)
+            if is_edge:
+                offs_n = c + gl.arange(0, BLOCK_N, layout=col_s)
+                diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
+                cell = (gl.expand_dims((offs_m >= qs) & (offs_m < qe), 1)
+                        & gl.expand_dims((offs_n >= n_lo) & (offs_n < n_hi), 0) & (diag <= d_hi) & (diag >= d_lo))
+                p = gl.where(cell, p, 0.0)
+            dp = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - th * th)
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
+            mbarrier.arrive(empty.index(slot), count=1)
+        it += n_tiles
+
+    dq = dq * scale
+    row_q: gl.constexpr = gl.SliceLayout(1, mma_q)
+    col_q: gl.constexpr = gl.SliceLayout(0, mma_q)
+    rows = (h0 + gl.arange(0, HALF, layout=row_q)).to(gl.int64)
+    cols = gl.arange(0, BLOCK_D, layout=col_q)
+    gl.store(dq_ptr + h * stride_dqh + gl.expand_dims(rows * stride_dqt, 1) + gl.expand_dims(cols, 0), dq.to(dtype),
+             mask=gl.expand_dims(rows < Tq, 1) & gl.expand_dims(cols < D, 0))
+
+
+@gluon.jit
+def _dq_consumer_1(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                   BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+                   STAGES: gl.constexpr):
+    _dq_consumer(ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 1)
+
+
+@gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
+def bwd_dq_sm90_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
+    Tq, Tk, Hq, G, D, DV,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
+    stride_dqt, stride_dqh,
+    scale, softcap,
+    HAS_DLSE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_INT64: gl.constexpr, DOT_PRECISION: gl.constexpr,
+    IS_BF16_EMULATED: gl.constexpr,
+    IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+):
+    """The Triton dQ kernel's parameters and grid, plus ``STAGES`` and ``NUM_WARPS`` (``BLOCK_M`` = 128)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HALF: gl.constexpr = BLOCK_M // 2
+    d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    pid = gl.program_id(0)
+    pid_h = pid % Hq
+    pid_rank = pid // Hq
+    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
+    pid_m = pid_plan * SPLIT + pid_rank % SPLIT
+    r0 = pid_m * BLOCK_M
+    r1 = gl.minimum(r0 + BLOCK_M, Tq)
+    s_lo = gl.load(block_lo_ptr + pid_plan)
+    s_hi = gl.load(block_hi_ptr + pid_plan)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], d_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], dv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr)
+    smem = (q_smem, k_smem, v_smem, q_ready, ready, empty)
+    scalars = (pid_h, r0, r1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh,
+               stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt,
+               stride_dlh, stride_dqt, stride_dqh, scale, softcap)
+    gl.warp_specialize([
+        (_dq_consumer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 0)),
+        (_dq_consumer_1, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES)),
+        (_dq_producer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES)),
+    ], [4, 1], [240, 24])

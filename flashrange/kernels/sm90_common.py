@@ -1,0 +1,36 @@
+"""Device code shared by the Hopper (sm_90) Gluon kernels (docs/design.md §6).
+
+The producers of these kernels build a tensor descriptor per slice that ends at
+the slice's last row or key, so a tile that runs past it reads zeros. Triton
+writes a device-side descriptor into one global-scratch slot per call site, and
+a TMA load reads its descriptor asynchronously, after the instruction issues:
+rewriting the slot while an earlier load through it is in flight can make that
+load use the next slice's bounds. So the producers keep two call sites used by
+turns (every other slice) and, before rewriting one, wait until the last tile
+loaded through it has landed (:func:`wait_tile_landed`); with a slice between
+the two uses that wait is almost always already satisfied.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+__all__ = ["tma_load", "wait_tile_landed"]
+
+# Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def wait_tile_landed(ready, last, it, STAGES: gl.constexpr):
+    """Wait until ring tile ``last`` (a count of tiles issued, ``-1`` for none) has landed.
+
+    ``it`` is the next tile the producer will issue. When tile ``last``'s slot
+    was refilled since (``it - last > STAGES``) it has landed already (the
+    producer waited for the consumers to release it), and the slot's barrier
+    now counts a later tile, so it is not waited on.
+    """
+    if (last >= 0) & (it - last <= STAGES):
+        mbarrier.wait(ready.index(last % STAGES), (last // STAGES) & 1)
