@@ -17,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["tma_load", "wait_tile_landed"]
+__all__ = ["tma_load", "wait_tile_landed", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -34,3 +34,17 @@ def wait_tile_landed(ready, last, it, STAGES: gl.constexpr):
     """
     if (last >= 0) & (it - last <= STAGES):
         mbarrier.wait(ready.index(last % STAGES), (last // STAGES) & 1)
+
+
+@gluon.jit
+def wait_tiles_landed(ready, first, last, it, STAGES: gl.constexpr):
+    """Wait until ring tiles ``first .. last`` (inclusive, counts of tiles issued) have landed.
+
+    Only the last ``STAGES`` tiles issued (``it - STAGES .. it - 1``) can still
+    be in flight, each in its own slot: the older ones landed before their slot
+    was refilled. So at most ``STAGES`` waits, and none on a slot's later use.
+    """
+    for i in gl.static_range(STAGES):
+        c = last - i
+        if (c >= first) & (c >= 0) & (it - c <= STAGES):
+            mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
