@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, query_span, slice_diagonals
-from .sm90_common import tma_load, wait_tile_landed
+from .sm90_common import tma_load, wait_tiles_landed
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -109,7 +109,7 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
         # Rows at or past m_hi read as zeros.
         if (sg - s_lo * G) % 2 == 0:
-            wait_tile_landed(ready, last_a, it, STAGES)
+            wait_tiles_landed(ready, last_a, it, STAGES)
             q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
                                                 strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
                                                 layout=d_layout)
@@ -120,7 +120,7 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES)
             last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
         else:
-            wait_tile_landed(ready, last_b, it, STAGES)
+            wait_tiles_landed(ready, last_b, it, STAGES)
             q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
                                                 strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
                                                 layout=d_layout)
@@ -330,7 +330,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
         # Keys at or past the slice's end read as zeros.
         if (s - s_lo) % 2 == 0:
-            wait_tile_landed(ready, last_a, it, STAGES)
+            wait_tiles_landed(ready, last_a, it, STAGES)
             k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
                                                 strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
                                                 layout=d_layout)
@@ -341,7 +341,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
                         STAGES)
             last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
         else:
-            wait_tile_landed(ready, last_b, it, STAGES)
+            wait_tiles_landed(ready, last_b, it, STAGES)
             k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
                                                 strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
                                                 layout=d_layout)

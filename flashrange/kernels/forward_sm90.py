@@ -123,11 +123,9 @@ def _ws_producer(
     it = 0
     n_sl = 0
     wi = 0
-    # The tiles loaded through each of the two value descriptors, [first, last] (sm90_common:
-    # a descriptor is rewritten only once the loads through it have landed).
-    first_a = it
+    # The last tile loaded through each of the two value descriptors (sm90_common: a
+    # descriptor is rewritten only once the loads through it have landed).
     last_a = it - 1
-    first_b = it
     last_b = it - 1
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
         pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
@@ -141,7 +139,7 @@ def _ws_producer(
             mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
             tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
         # The key descriptor follows the head: every key tile still in flight lands first.
-        wait_tiles_landed(ready, 0, it - 1, it, STAGES)
+        wait_tiles_landed(ready, it - 1, it, STAGES)
         k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
                                             strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
         v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
@@ -152,21 +150,19 @@ def _ws_producer(
             # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
             # slice covers cannot reach P @ V through a p of 0.
             if n_sl % 2 == 0:
-                wait_tiles_landed(ready, first_a, last_a, it, STAGES)
+                wait_tiles_landed(ready, last_a, it, STAGES)
                 v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
                                                     block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
                 _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
                           STAGES)
-                first_a = it
-                last_a = it + n_tiles - 1
+                last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
             else:
-                wait_tiles_landed(ready, first_b, last_b, it, STAGES)
+                wait_tiles_landed(ready, last_b, it, STAGES)
                 v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
                                                     block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
                 _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
                           STAGES)
-                first_b = it
-                last_b = it + n_tiles - 1
+                last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
             it += n_tiles
             n_sl += 1
         wi += 1
