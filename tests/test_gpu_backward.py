@@ -133,29 +133,40 @@ def test_realistic_sizes(T, Hq, Hkv, D, build, dtype, softcap, golden):
     _three_way(T, T, Hq, Hkv, D, D, build(T), dtype, softcap=softcap, seed=T, golden=golden)
 
 
-def test_random_slice_fuzz():
-    """1000 random small problems: all types, overlaps, empties, uncovered rows, GQA, softcap, odd lengths."""
-    rng = random.Random(1234)
-    for case in range(1000):
-        Tq = rng.choice([1, 2, 17, 63, 64, 65, rng.randint(1, 300)])
-        Tk = rng.choice([Tq, 1, 33, rng.randint(1, 300)])
+def _grad_fuzz(seed, n_cases, fixed_Tq, max_T, head_dims, config_for=None):
+    """Random small problems, three-way checked: all types, overlaps, empties, uncovered rows, GQA, softcap.
+
+    ``head_dims``: one (drawn from ``rng`` only when there are several);
+    ``config_for(D, dtype)``: a config to force, or the default.
+    """
+    rng = random.Random(seed)
+    for case in range(n_cases):
+        Tq = rng.choice(fixed_Tq + [rng.randint(1, max_T)])
+        Tk = rng.choice([Tq, 1, 33, rng.randint(1, max_T)])
         Hkv = rng.choice([1, 2])
         Hq = Hkv * rng.choice([1, 2, 4])
-        # One head dim and few variants keep the number of kernel builds small
-        # (head dims 16-256 are covered above and by the CPU tests).
-        D = 64
+        D = head_dims[0] if len(head_dims) == 1 else rng.choice(head_dims)
         dtype = torch.float16 if rng.random() < 0.2 else torch.bfloat16
         softcap = 4.0 if rng.random() < 0.2 else 0.0
         uncovered = rng.choice([0, 0, min(3, Tq - 1)])
         rows = random_slice_rows(Tq, Tk, rng.randint(1, 10), rng, n_empty=rng.randint(0, 3), uncovered=uncovered,
                                 random_types=True, mixed_empties=False)
+        config = None if config_for is None else config_for(D, dtype)
         try:
-            (dq, dk, dv), _ = _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, softcap=softcap, seed=case)
+            (dq, dk, dv), _ = _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, softcap=softcap, seed=case,
+                                         config=config)
         except AssertionError as e:
             raise AssertionError(f"case {case}: Tq={Tq} Tk={Tk} Hq={Hq} Hkv={Hkv} D={D} {dtype} "
                                  f"softcap={softcap} rows={rows}: {e}") from None
         if uncovered:
             assert torch.count_nonzero(dq[Tq - uncovered:]) == 0, f"case {case}"
+
+
+def test_random_slice_fuzz():
+    """1000 random small problems through the default kernels, odd lengths."""
+    # One head dim keeps the number of kernel builds small (head dims 16-256 are
+    # covered above and by the CPU tests).
+    _grad_fuzz(1234, 1000, [1, 2, 17, 63, 64, 65], 300, [64])
 
 
 def test_bitwise_rerun_permutation_padding():
@@ -431,24 +442,5 @@ def test_gluon_backward_many_short_slices(Tq, Tk, Hq, Hkv, n, D, dtype):
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
 def test_gluon_backward_fuzz():
-    """300 random problems through the Gluon kernels: all types, overlaps, empties, uncovered rows, GQA, softcap."""
-    rng = random.Random(4321)
-    for case in range(300):
-        Tq = rng.choice([1, 17, 64, 65, rng.randint(1, 700)])
-        Tk = rng.choice([Tq, 1, 33, rng.randint(1, 700)])
-        Hkv = rng.choice([1, 2])
-        Hq = Hkv * rng.choice([1, 2, 4])
-        D = rng.choice([64, 128, 96])
-        dtype = torch.float16 if rng.random() < 0.2 else torch.bfloat16
-        softcap = 4.0 if rng.random() < 0.2 else 0.0
-        uncovered = rng.choice([0, 0, min(3, Tq - 1)])
-        rows = random_slice_rows(Tq, Tk, rng.randint(1, 10), rng, n_empty=rng.randint(0, 3), uncovered=uncovered,
-                                random_types=True, mixed_empties=False)
-        try:
-            (dq, dk, dv), _ = _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, softcap=softcap, seed=case,
-                                         config=_gluon_config(D, D, dtype))
-        except AssertionError as e:
-            raise AssertionError(f"case {case}: Tq={Tq} Tk={Tk} Hq={Hq} Hkv={Hkv} D={D} {dtype} "
-                                 f"softcap={softcap} rows={rows}: {e}") from None
-        if uncovered:
-            assert torch.count_nonzero(dq[Tq - uncovered:]) == 0, f"case {case}"
+    """300 random problems forced through the Gluon kernels, at the head dims they serve."""
+    _grad_fuzz(4321, 300, [1, 17, 64, 65], 700, [64, 128, 96], config_for=lambda D, dtype: _gluon_config(D, D, dtype))

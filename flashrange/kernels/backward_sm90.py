@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, query_span, slice_diagonals
-from .sm90_common import tma_load, wait_tiles_landed
+from .sm90_common import issue_tiles, tma_load, wait_tiles_landed
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -61,21 +61,6 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
     """The slice's cells of a (keys x rows) tile; rows outside the slice already have p = 0 through lse."""
     diag = gl.expand_dims(offs_n, 1) - gl.expand_dims(offs_m, 0)
     return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 1) & (diag <= d_hi) & (diag >= d_lo)
-
-
-@gluon.jit
-def _issue_pair(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, BLOCK: gl.constexpr,
-                TILE_BYTES: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of one slice's ``n_tiles`` tiles of two tensors from row ``start``, ring tiles ``it, it + 1, ...``."""
-    for t in range(n_tiles):
-        cur = it + t
-        slot = cur % STAGES
-        mbarrier.wait(empty.index(slot), ((cur // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, TILE_BYTES)
-        r = start + t * BLOCK
-        tma_load(a_desc, [r, 0], bar, a_smem.index(slot))
-        tma_load(b_desc, [r, 0], bar, b_smem.index(slot))
 
 
 @gluon.jit
@@ -116,7 +101,7 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             do_desc = tma.make_tensor_descriptor(do_ptr + h * stride_doh, shape=[gl.maximum(m_hi, 1), DV],
                                                  strides=[stride_dot, 1], block_shape=[BLOCK_M, BLOCK_DV],
                                                  layout=dv_layout)
-            _issue_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
+            issue_tiles(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
                         STAGES)
             last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
         else:
@@ -127,7 +112,7 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             do_desc = tma.make_tensor_descriptor(do_ptr + h * stride_doh, shape=[gl.maximum(m_hi, 1), DV],
                                                  strides=[stride_dot, 1], block_shape=[BLOCK_M, BLOCK_DV],
                                                  layout=dv_layout)
-            _issue_pair(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
+            issue_tiles(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
                         STAGES)
             last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
         it += n_tiles
@@ -343,7 +328,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
             v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[gl.maximum(ke, 1), DV],
                                                 strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV],
                                                 layout=dv_layout)
-            _issue_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
+            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
                         STAGES)
             last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
         else:
@@ -354,7 +339,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
             v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[gl.maximum(ke, 1), DV],
                                                 strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV],
                                                 layout=dv_layout)
-            _issue_pair(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
+            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
                         STAGES)
             last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
         it += n_tiles

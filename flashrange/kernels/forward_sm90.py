@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run
-from .sm90_common import tma_load, wait_tiles_landed
+from .sm90_common import issue_tiles, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -89,22 +89,6 @@ def _load_slice(slices_ptr, s_idx):
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N: gl.constexpr,
-              KV_BYTES: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of one slice's ``n_tiles`` K/V tiles from key ``k_lo``, ring tiles ``it, it + 1, ...``."""
-    for t in range(n_tiles):
-        cur = it + t
-        slot = cur % STAGES
-        # Both consumers released this slot's previous tile (a fresh barrier passes phase 1).
-        mbarrier.wait(empty.index(slot), ((cur // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, KV_BYTES)
-        c0 = k_lo + t * BLOCK_N
-        tma_load(k_desc, [c0, 0], bar, k_smem.index(slot))
-        tma_load(v_desc, [c0, 0], bar, v_smem.index(slot))
-
-
-@gluon.jit
 def _ws_producer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -153,14 +137,14 @@ def _ws_producer(
                 wait_tiles_landed(ready, last_a, it, STAGES)
                 v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
                                                     block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-                _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
+                issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
                           STAGES)
                 last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
             else:
                 wait_tiles_landed(ready, last_b, it, STAGES)
                 v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
                                                     block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-                _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
+                issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
                           STAGES)
                 last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
             it += n_tiles

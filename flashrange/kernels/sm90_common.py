@@ -17,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["tma_load", "wait_tiles_landed"]
+__all__ = ["issue_tiles", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -37,3 +37,20 @@ def wait_tiles_landed(ready, last, it, STAGES: gl.constexpr):
         c = last - i
         if (c >= 0) & (it - c <= STAGES):
             mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
+
+
+@gluon.jit
+def issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, BLOCK: gl.constexpr,
+                TILE_BYTES: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of one slice's ``n_tiles`` tiles of two tensors (K and V, or q and dO) from row ``start``,
+    into ring tiles ``it, it + 1, ...``."""
+    for t in range(n_tiles):
+        cur = it + t
+        slot = cur % STAGES
+        # Both consumers released this slot's previous tile (a fresh barrier passes phase 1).
+        mbarrier.wait(empty.index(slot), ((cur // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, TILE_BYTES)
+        r = start + t * BLOCK
+        tma_load(a_desc, [r, 0], bar, a_smem.index(slot))
+        tma_load(b_desc, [r, 0], bar, b_smem.index(slot))
