@@ -265,7 +265,7 @@ def test_interpreter_configs():
 
 def test_strided_views():
     """q, k, v as views into one packed tensor (head-dim stride 1, odd offsets): same answer."""
-    from flashrange.kernels.forward import _tma_aligned
+    from flashrange.kernels.common import tma_aligned
 
     Tq, H, D = 63, 2, 16
     g = torch.Generator().manual_seed(61)
@@ -274,7 +274,7 @@ def test_strided_views():
     q = packed[:, 1 : 1 + H * D].view(Tq, H, D)
     k = packed[:, 1 + H * D : 1 + 2 * H * D].view(Tq, H, D)
     v = packed[:, 1 + 2 * H * D : 1 + 3 * H * D].view(Tq, H, D)
-    assert not _tma_aligned(q) and _tma_aligned(torch.empty(4, H, D, dtype=torch.float16, device=DEV))
+    assert not tma_aligned(q) and tma_aligned(torch.empty(4, H, D, dtype=torch.float16, device=DEV))
     qr, kr, mt = random_slices(Tq, Tq, 4, seed=62)
     out, lse = run_kernel(q, k, v, qr, kr, mt, 0.25)
     want = run_kernel(q.contiguous(), k.contiguous(), v.contiguous(), qr, kr, mt, 0.25)

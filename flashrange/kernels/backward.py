@@ -40,6 +40,7 @@ from ..validation import resolve_scale
 from .common import (
     DEV_LOG2E,
     DEV_NO_DIAGONAL,
+    WS_MAXNREG,
     ensure_tma_allocator,
     interpreting,
     key_span,
@@ -49,6 +50,7 @@ from .common import (
     plan_split,
     query_span,
     slice_diagonals,
+    tma_aligned,
     warn_gluon_fallback,
 )
 from .plan import build_plan
@@ -597,7 +599,7 @@ def range_attention_backward_triton(
             if use_gluon and not _GLUON_FAILURES:
                 try:
                     ensure_tma_allocator()
-                    launch(_gluon_kernel(name), grid, args + (stages, 4), num_warps=4, maxnreg=_WS_MAXNREG)
+                    launch(_gluon_kernel(name), grid, args + (stages, 4), num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
                     if config is not None:
@@ -611,13 +613,7 @@ def _gluon_takes(q, k, v, dout) -> bool:
     """Whether the Gluon kernels can take these tensors (else a Gluon config runs the Triton kernels)."""
     if q.dtype.itemsize != 2 or pad_dim(q.shape[2]) not in (64, 128) or pad_dim(v.shape[2]) not in (64, 128):
         return False
-    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-               for t in (q, k, v, dout))
-
-
-# The Gluon kernels' register cap per thread at launch: over their 12 warps the whole register
-# file, which the partitions split as 240 / 240 / 24 (as in the Hopper forward).
-_WS_MAXNREG = 168
+    return all(tma_aligned(t) for t in (q, k, v, dout))
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,6 +38,8 @@ __all__ = [
     "tma_scratch",
     "ensure_tma_allocator",
     "warn_gluon_fallback",
+    "tma_aligned",
+    "WS_MAXNREG",
     "full_tile_run",
     "interpreting",
     "launch",
@@ -299,6 +301,18 @@ def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_
 def tma_scratch(size: int, alignment: int, stream):
     # Called at launch, under the launcher's device guard.
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+# The warp-specialized Hopper (Gluon) kernels' register cap per thread at launch: over their
+# 12 warps (two consumer warpgroups, one producer warpgroup) the whole register file, which
+# the partitions then split as 240 / 240 / 24.
+WS_MAXNREG = 168
+
+
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t``: its base and every stride but the last are 16-byte multiples."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
 
 
 def warn_gluon_fallback(what: str, error: Exception, stacklevel: int) -> None:

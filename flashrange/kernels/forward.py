@@ -45,6 +45,7 @@ from .common import (
     DEV_LN2,
     DEV_NO_DIAGONAL,
     LOG2E,
+    WS_MAXNREG,
     ensure_tma_allocator,
     fast_launch_enabled,
     forward_walk,
@@ -56,6 +57,7 @@ from .common import (
     pad_dim,
     plan_split,
     run_compiled,
+    tma_aligned,
     warn_gluon_fallback,
 )
 from .plan import build_plan
@@ -419,12 +421,6 @@ def _gluon_kernel():
     return range_attn_fwd_sm90_ws_kernel
 
 
-# The warp-specialized kernel's register cap per thread at launch: over its 12 warps
-# (two consumer warpgroups, one producer warpgroup) the whole register file, which the
-# partitions then split as 240 / 240 / 24.
-_WS_MAXNREG = 168
-
-
 @functools.lru_cache(maxsize=None)
 def _has_warp_spec() -> bool:
     import inspect
@@ -620,7 +616,7 @@ def range_attention_forward_triton(
     # tensors may not have them); the same tiles run on plain pointers otherwise.
     use_tma = (
         config.use_tma and q.device.type == "cuda" and not is_interp
-        and all(_tma_aligned(t) for t in (q, k, v))
+        and all(tma_aligned(t) for t in (q, k, v))
     )
     if use_tma:
         ensure_tma_allocator()
@@ -647,11 +643,6 @@ def _with_max_logits(out, lse, rowmax):
         return out, lse, rowmax.new_full((rowmax.shape[1],), float("-inf"))
     # Uncovered rows hold -inf, the identity of max.
     return out, lse, rowmax.amax(dim=0)
-
-
-def _tma_aligned(t: torch.Tensor) -> bool:
-    es = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
 
 
 def _disable_gluon(error: Exception) -> None:
@@ -703,7 +694,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
     kernel, num_stages, maxnreg = _range_attn_fwd_kernel, config.num_stages, None
     if config.gluon and use_tma:
         # Without TMA-aligned inputs a Gluon config's tiles run on the Triton kernel's pointer path.
-        kernel, num_stages, maxnreg = _gluon_kernel(), None, _WS_MAXNREG
+        kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], _sm_count(q.device.index)),)
         args = args + (config.num_stages, config.num_warps, config.pingpong)  # STAGES, NUM_WARPS, IS_PINGPONG
