@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run
+from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
 from .sm90_common import issue_tiles, tma_load, wait_tile_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -287,15 +287,9 @@ def range_attn_fwd_sm90_ws_kernel(
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    pid = gl.program_id(0)
-    pid_rank = pid // Hq
-    pid_h = pid % Hq
+    pid_h, r0, r1, s_lo, s_hi = plan_program(gl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
+                                             SPLIT, BLOCK_M)
     pid_kvh = pid_h // GROUP
-    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
-    r0 = (pid_plan * SPLIT + pid_rank % SPLIT) * BLOCK_M
-    r1 = gl.minimum(r0 + BLOCK_M, Tq)
-    s_lo = gl.load(block_lo_ptr + pid_plan)
-    s_hi = gl.load(block_hi_ptr + pid_plan)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], q_layout)
