@@ -47,6 +47,7 @@ from .common import (
     launch,
     needs_int64,
     pad_dim,
+    plan_program,
     plan_split,
     query_span,
     slice_diagonals,
@@ -176,13 +177,8 @@ def _bwd_dkdv_kernel(
 ):
     # Heaviest key blocks first; all heads of one block are neighbours in the grid.
     # A program owns tile pid // Hkv % SPLIT of its plan block and reads the block's window.
-    pid = tl.program_id(0)
-    pid_hk = pid % Hkv
-    pid_rank = pid // Hkv
-    pid_plan = tl.load(block_order_ptr + pid_rank // SPLIT)
-    pid_n = pid_plan * SPLIT + pid_rank % SPLIT
-    c0 = pid_n * BLOCK_N
-    c1 = tl.minimum(c0 + BLOCK_N, Tk)
+    pid_hk, c0, c1, s_lo, s_hi = plan_program(tl.program_id(0), Hkv, Tk, block_order_ptr, block_lo_ptr,
+                                              block_hi_ptr, SPLIT, BLOCK_N)
     offs_n = c0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -203,8 +199,6 @@ def _bwd_dkdv_kernel(
     # The workspace: delta, then lse * log2(e), (Hq, Tq) each (written by the dQ kernel).
     lse2_ptr = ws_ptr + Hq.to(tl.int64) * Tq
 
-    s_lo = tl.load(block_lo_ptr + pid_plan)
-    s_hi = tl.load(block_hi_ptr + pid_plan)
     # One loop over (slice, query head of the group): a shallower loop nest
     # keeps fewer values live around the tile loops (registers).
     for sg in range(s_lo * G, s_hi * G):
@@ -331,13 +325,8 @@ def _bwd_dq_kernel(
     IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_h = pid % Hq
-    pid_rank = pid // Hq
-    pid_plan = tl.load(block_order_ptr + pid_rank // SPLIT)
-    pid_m = pid_plan * SPLIT + pid_rank % SPLIT
-    r0 = pid_m * BLOCK_M
-    r1 = tl.minimum(r0 + BLOCK_M, Tq)
+    pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
+                                             SPLIT, BLOCK_M)
     offs_m = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -371,8 +360,6 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale2 = scale * DEV_LOG2E
 
-    s_lo = tl.load(block_lo_ptr + pid_plan)
-    s_hi = tl.load(block_hi_ptr + pid_plan)
     for s in range(s_lo, s_hi):
         qs = tl.load(slices_ptr + s * 5)
         qe = tl.load(slices_ptr + s * 5 + 1)

@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, query_span, slice_diagonals
+from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
 from .sm90_common import issue_tiles, tma_load, wait_tiles_landed
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
@@ -249,15 +249,8 @@ def bwd_dkdv_sm90_kernel(
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    pid = gl.program_id(0)
-    pid_hk = pid % Hkv
-    pid_rank = pid // Hkv
-    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
-    pid_n = pid_plan * SPLIT + pid_rank % SPLIT
-    c0 = pid_n * BLOCK_N
-    c1 = gl.minimum(c0 + BLOCK_N, Tk)
-    s_lo = gl.load(block_lo_ptr + pid_plan)
-    s_hi = gl.load(block_hi_ptr + pid_plan)
+    pid_hk, c0, c1, s_lo, s_hi = plan_program(gl.program_id(0), Hkv, Tk, block_order_ptr, block_lo_ptr,
+                                              block_hi_ptr, SPLIT, BLOCK_N)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
@@ -490,15 +483,8 @@ def bwd_dq_sm90_kernel(
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    pid = gl.program_id(0)
-    pid_h = pid % Hq
-    pid_rank = pid // Hq
-    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
-    pid_m = pid_plan * SPLIT + pid_rank % SPLIT
-    r0 = pid_m * BLOCK_M
-    r1 = gl.minimum(r0 + BLOCK_M, Tq)
-    s_lo = gl.load(block_lo_ptr + pid_plan)
-    s_hi = gl.load(block_hi_ptr + pid_plan)
+    pid_h, r0, r1, s_lo, s_hi = plan_program(gl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
+                                             SPLIT, BLOCK_M)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], d_layout)

@@ -33,6 +33,7 @@ __all__ = [
     "DEV_BI_CAUSAL",
     "slice_diagonals",
     "key_span",
+    "plan_program",
     "query_span",
     "forward_walk",
     "tma_scratch",
@@ -237,6 +238,24 @@ def slice_diagonals(qs, qe, ks, ke, mtype):
     has_upper = (mtype == DEV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
     has_lower = (mtype == DEV_INV_CAUSAL) | (mtype == DEV_BI_CAUSAL)
     return has_upper, ke - qe, has_lower, ks - qs
+
+
+@triton.jit
+def plan_program(pid, n_heads, T, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """What program ``pid`` of a plan's grid owns: ``(head, start, end, s_lo, s_hi)``.
+
+    Programs walk the plan's blocks heaviest first (``block_order``), all heads
+    of one block side by side; a block is ``SPLIT`` tiles of ``BLOCK`` rows (or
+    keys), and the program owns tile ``[start, end)`` of it, clipped at ``T``,
+    and reads the block's window of slices ``[s_lo, s_hi)``. Every kernel, Triton
+    or Gluon, forward or backward, maps its grid this way.
+    """
+    head = pid % n_heads
+    rank = pid // n_heads
+    block = tl.load(block_order_ptr + rank // SPLIT)
+    start = (block * SPLIT + rank % SPLIT) * BLOCK
+    return head, start, tl.minimum(start + BLOCK, T), tl.load(block_lo_ptr + block), tl.load(block_hi_ptr + block)
 
 
 @triton.jit

@@ -55,6 +55,7 @@ from .common import (
     launch,
     needs_int64,
     pad_dim,
+    plan_program,
     plan_split,
     run_compiled,
     tma_aligned,
@@ -192,15 +193,9 @@ def _range_attn_fwd_kernel(
     one slice, so the TMA value descriptor that ends at its last key is built
     once per program rather than once per slice.
     """
-    pid = tl.program_id(0)
-    pid_rank = pid // Hq
-    pid_h = pid % Hq
+    pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
+                                             SPLIT, BLOCK_M)
     pid_kvh = pid_h // GROUP
-    pid_plan = tl.load(block_order_ptr + pid_rank // SPLIT)
-    r0 = (pid_plan * SPLIT + pid_rank % SPLIT) * BLOCK_M
-    r1 = tl.minimum(r0 + BLOCK_M, Tq)
-    s_lo = tl.load(block_lo_ptr + pid_plan)
-    s_hi = tl.load(block_hi_ptr + pid_plan)
 
     offs_m = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

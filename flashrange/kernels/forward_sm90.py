@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run
+from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
 from .sm90_common import issue_tiles, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -72,14 +72,10 @@ def _softmax_step(
 
 @gluon.jit
 def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work item ``w`` (a query block of one head, heavy first): ``(pid_h, pid_kvh, r0, r1, s_lo, s_hi)``."""
+    """Work item ``w`` (the program ``w`` of the one-program-per-item grid): ``(pid_h, pid_kvh, r0, r1, s_lo, s_hi)``."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = order_ptrs
-    pid_rank = w // Hq
-    pid_h = w % Hq
-    pid_plan = gl.load(block_order_ptr + pid_rank // SPLIT)
-    r0 = (pid_plan * SPLIT + pid_rank % SPLIT) * BLOCK_M
-    r1 = gl.minimum(r0 + BLOCK_M, Tq)
-    return pid_h, pid_h // GROUP, r0, r1, gl.load(block_lo_ptr + pid_plan), gl.load(block_hi_ptr + pid_plan)
+    pid_h, r0, r1, s_lo, s_hi = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+    return pid_h, pid_h // GROUP, r0, r1, s_lo, s_hi
 
 
 @gluon.jit
