@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
-from .sm90_common import issue_tiles, tma_load, wait_tile_landed
+from .sm90_common import issue_tiles, load_slice, tma_load, wait_tile_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -71,12 +71,6 @@ def _softmax_step(
 
 
 @gluon.jit
-def _load_slice(slices_ptr, s_idx):
-    row = slices_ptr + s_idx * 5
-    return gl.load(row + 0), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
-
-
-@gluon.jit
 def _ws_producer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -105,7 +99,7 @@ def _ws_producer(
     last_a = it - 1
     last_b = it - 1
     for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = _load_slice(slices_ptr, s_idx)
+        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
                                                                                 BLOCK_N)
         # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
@@ -160,7 +154,7 @@ def _ws_consumer(
     # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
     n_blk = 0
     for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = _load_slice(slices_ptr, s_idx)
+        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
                                                                                 BLOCK_N)
         # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
