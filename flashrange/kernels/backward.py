@@ -42,6 +42,7 @@ from .common import (
     DEV_NO_DIAGONAL,
     WS_MAXNREG,
     ensure_tma_allocator,
+    gluon_sm90_ready,
     interpreting,
     key_span,
     launch,
@@ -456,16 +457,8 @@ _GLUON_FAILURES = []
 
 @functools.lru_cache(maxsize=None)
 def _has_gluon_sm90(device_index) -> bool:
-    """Whether the Hopper backward kernels can run on this device (compute capability 9, Gluon's Hopper ops)."""
-    if _GLUON_FAILURES or interpreting() or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device_index)[0] != 9:
-        return False
-    try:
-        from . import backward_sm90  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the Hopper backward kernels can run on this device (and have not failed to build here)."""
+    return not _GLUON_FAILURES and gluon_sm90_ready(device_index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import issue_tiles, tma_load, wait_tiles_landed
+from .sm90_common import issue_tiles, load_slice, tma_load, wait_tiles_landed
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -45,12 +45,7 @@ __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 @gluon.jit
 def _slice_rows(slices_ptr, s, c0, c1, BLOCK_M: gl.constexpr):
     """A slice's rows ``[m_lo, m_hi)`` that read keys ``[c0, c1)``, its tiles from ``m_lo``, and its geometry."""
-    row = slices_ptr + s * 5
-    qs = gl.load(row + 0)
-    qe = gl.load(row + 1)
-    ks = gl.load(row + 2)
-    ke = gl.load(row + 3)
-    mtype = gl.load(row + 4)
+    qs, qe, ks, ke, mtype = load_slice(slices_ptr, s)
     m_lo, m_hi = query_span(c0, c1, qs, qe, ks, ke, mtype)
     n_tiles = gl.cdiv(gl.maximum(m_hi - m_lo, 0), BLOCK_M)
     return qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles
@@ -341,12 +336,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 @gluon.jit
 def _slice_keys(slices_ptr, s, r0, r1, BLOCK_N: gl.constexpr):
     """A slice's keys ``[n_lo, n_hi)`` that rows ``[r0, r1)`` read, its tiles from ``n_lo``, and its geometry."""
-    row = slices_ptr + s * 5
-    qs = gl.load(row + 0)
-    qe = gl.load(row + 1)
-    ks = gl.load(row + 2)
-    ke = gl.load(row + 3)
-    mtype = gl.load(row + 4)
+    qs, qe, ks, ke, mtype = load_slice(slices_ptr, s)
     n_lo, n_hi = key_span(r0, r1, qs, qe, ks, ke, mtype)
     n_tiles = gl.cdiv(gl.maximum(n_hi - n_lo, 0), BLOCK_N)
     return qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles

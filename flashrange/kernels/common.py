@@ -38,6 +38,7 @@ __all__ = [
     "forward_walk",
     "tma_scratch",
     "ensure_tma_allocator",
+    "gluon_sm90_ready",
     "warn_gluon_fallback",
     "tma_aligned",
     "WS_MAXNREG",
@@ -332,6 +333,24 @@ def tma_aligned(t: torch.Tensor) -> bool:
     """Whether TMA can read ``t``: its base and every stride but the last are 16-byte multiples."""
     es = t.element_size()
     return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
+
+
+def gluon_sm90_ready(device_index) -> bool:
+    """Whether the Hopper (Gluon) kernels can run on CUDA device ``device_index`` (``None``: the current
+    one): a compute-capability-9 GPU, no interpreter, and a Triton whose Gluon has the Hopper ops they use."""
+    if interpreting() or not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+    except ImportError:
+        return False
+    return True
 
 
 def warn_gluon_fallback(what: str, error: Exception, stacklevel: int) -> None:

@@ -50,6 +50,7 @@ from .common import (
     fast_launch_enabled,
     forward_walk,
     full_tile_run,
+    gluon_sm90_ready,
     interpreting,
     jit_launch,
     launch,
@@ -399,14 +400,8 @@ _GLUON_FAILURES = []
 
 @functools.lru_cache(maxsize=None)
 def _has_gluon_sm90() -> bool:
-    """Whether the Hopper kernel can run: a compute-capability-9 GPU and a Triton with Gluon's Hopper ops."""
-    if _GLUON_FAILURES or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    try:
-        from . import forward_sm90  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the Hopper kernel can run on the current device (and has not failed to build here)."""
+    return not _GLUON_FAILURES and gluon_sm90_ready(None)
 
 
 @functools.lru_cache(maxsize=None)

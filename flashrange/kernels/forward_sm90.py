@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
-from .sm90_common import issue_tiles, tma_load, wait_tiles_landed
+from .sm90_common import issue_tiles, load_slice, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -79,12 +79,6 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _load_slice(slices_ptr, s_idx):
-    row = slices_ptr + s_idx * 5
-    return gl.load(row + 0), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
-
-
-@gluon.jit
 def _ws_producer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -124,7 +118,7 @@ def _ws_producer(
                                             strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
         v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
         for s_idx in range(s_lo, s_hi):
-            qs, qe, ks, ke, mtype = _load_slice(slices_ptr, s_idx)
+            qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
             has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
                                                                                     BLOCK_N)
             # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
@@ -182,7 +176,7 @@ def _consume_work(
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
     q_half = q_smem.index(J)
     for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = _load_slice(slices_ptr, s_idx)
+        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
                                                                                 BLOCK_N)
         # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).

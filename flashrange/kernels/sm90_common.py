@@ -17,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["issue_tiles", "tma_load", "wait_tiles_landed"]
+__all__ = ["issue_tiles", "load_slice", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -54,3 +54,10 @@ def issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start
         r = start + t * BLOCK
         tma_load(a_desc, [r, 0], bar, a_smem.index(slot))
         tma_load(b_desc, [r, 0], bar, b_smem.index(slot))
+
+
+@gluon.jit
+def load_slice(slices_ptr, s):
+    """Slice ``s`` of a plan's slice table: ``(qs, qe, ks, ke, type)``."""
+    row = slices_ptr + s * 5
+    return gl.load(row + 0), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
