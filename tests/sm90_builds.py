@@ -110,6 +110,8 @@ def forward_builds():
          0.0, False, False),
         ("d128-bf16-documents-softcap-gluon-pingpong", 128, 128, torch.bfloat16, "sm90pp_m128_n128_w4_s3",
          _docs(300, 3), 30.0, True, False),
+        ("d128-bf16-documents-softcap-gluon-persistent", 128, 128, torch.bfloat16, "sm90ppp_m128_n128_w4_s3",
+         _docs(300, 3), 30.0, True, False),
     ]
     if fwd._has_warp_spec():
         cases.append(("d128-bf16-warp-specialized", 128, 128, torch.bfloat16, "ws_m128_n128_w8_s2",

@@ -503,19 +503,21 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
         qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
                                                                     [r[4] for r in rows]))
         q, k, v = make_qkv(Tq, Tk, 4, 2, D, D, dtype, DEV, seed=seed)
-        out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config="sm90pp_m128_n128_w4_s3")
-        try:
-            check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: rows={rows}\n{e}") from None
+        for config in ("sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3"):
+            out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=config)
+            try:
+                check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
+            except AssertionError as e:
+                raise AssertionError(f"{config} seed {seed}: rows={rows}\n{e}") from None
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-def test_fuzz_hopper_kernel():
+@pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3"])
+def test_fuzz_hopper_kernel(config):
     """300 random masks forced through the Hopper kernel, at the head dims it serves.
 
     The 1000-case fuzz takes the default config, and its sizes rarely reach the
     Gluon kernel's full tiles; this one forces that kernel on larger shapes.
     """
     _fuzz(4321, 300, [1, 17, 64, 129, 300, 513, 1000], [1, 31, 128, 255, 640, 1001],
-          [(64, 64), (128, 128), (96, 96), (64, 128), (80, 80)], 8, config="sm90pp_m128_n128_w4_s3")
+          [(64, 64), (128, 128), (96, 96), (64, 128), (80, 80)], 8, config=config)

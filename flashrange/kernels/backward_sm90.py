@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import issue_tiles, load_slice, tma_load, wait_tile_landed
+from .sm90_common import issue_tiles, load_slice, tma_load, wait_tiles_landed
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -89,7 +89,7 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
         # Rows at or past m_hi read as zeros.
         if (sg - s_lo * G) % 2 == 0:
-            wait_tile_landed(ready, last_a, it, STAGES)
+            wait_tiles_landed(ready, last_a, it, STAGES)
             q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
                                                 strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
                                                 layout=d_layout)
@@ -100,7 +100,7 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES)
             last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
         else:
-            wait_tile_landed(ready, last_b, it, STAGES)
+            wait_tiles_landed(ready, last_b, it, STAGES)
             q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
                                                 strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
                                                 layout=d_layout)
@@ -173,7 +173,11 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
-            qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False)
+            # The four matmuls of a tile in two batches, one wait each (not four): S and dP, then
+            # dV and dK. An accumulator still in flight cannot be carried to the next tile.
+            qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            qkT, dpT = warpgroup_mma_wait(0, deps=(qkT, dpT))
             if HAS_SOFTCAP:
                 e = gl.exp2(qkT * (2.0 * DEV_LOG2E * scale / softcap))
                 th = 1.0 - 2.0 / (e + 1.0)
@@ -183,8 +187,6 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
             if is_edge:
                 pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), pT, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pt_layout), do_tile, dv)
-            dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False)
             dsT = pT * (dpT - gl.expand_dims(delta, 0))
             if HAS_SOFTCAP:
                 dsT = dsT * (1.0 - th * th)
@@ -192,7 +194,11 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 # A key of the block that these rows do not read may hold NaN in v (dpT):
                 # 0 * NaN must not reach its dK.
                 dsT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), dsT, 0.0)
-            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), dst_layout), q_tile, dk)
+            pt_op = gl.convert_layout(pT.to(dtype), pt_layout)
+            dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
+            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(slot), count=1)
         it += n_tiles
 
@@ -303,7 +309,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
         # Keys at or past the slice's end read as zeros.
         if (s - s_lo) % 2 == 0:
-            wait_tile_landed(ready, last_a, it, STAGES)
+            wait_tiles_landed(ready, last_a, it, STAGES)
             k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
                                                 strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
                                                 layout=d_layout)
@@ -314,7 +320,7 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
                         STAGES)
             last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
         else:
-            wait_tile_landed(ready, last_b, it, STAGES)
+            wait_tiles_landed(ready, last_b, it, STAGES)
             k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
                                                 strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
                                                 layout=d_layout)
@@ -407,7 +413,10 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
             c = n_lo + t * BLOCK_N
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             k_tile = k_smem.index(slot)
-            qk = warpgroup_mma(q_half, k_tile.permute((1, 0)), s_zero, use_acc=False)
+            # S and dP in one batch, one wait (as in the dK/dV kernel).
+            qk = warpgroup_mma(q_half, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk, dp, do_op = warpgroup_mma_wait(0, deps=(qk, dp, do_op))
             if HAS_SOFTCAP:
                 e = gl.exp2(qk * (2.0 * DEV_LOG2E * scale / softcap))
                 th = 1.0 - 2.0 / (e + 1.0)
@@ -421,7 +430,6 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
                 cell = (gl.expand_dims((offs_m >= qs) & (offs_m < qe), 1)
                         & gl.expand_dims((offs_n >= n_lo) & (offs_n < n_hi), 0) & (diag <= d_hi) & (diag >= d_lo))
                 p = gl.where(cell, p, 0.0)
-            dp = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
             ds = p * (dp - gl.expand_dims(delta, 1))
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - th * th)

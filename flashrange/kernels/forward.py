@@ -299,6 +299,9 @@ class FwdConfig:
     gluon: bool = False
     # Gluon only: its two consumer warpgroups take turns issuing their matmuls.
     pingpong: bool = False
+    # Gluon only (branch exp/fwd-persistent): one program per SM walks the work items (query
+    # block x head, heavy first) in turn, loading the next block's queries under the last tiles.
+    persistent: bool = False
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -336,6 +339,8 @@ FWD_CONFIGS = [
     FwdConfig("sm90ws_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True),
     FwdConfig("sm90ws_m128_n64_w4_s3", 128, 64, 4, 3, use_tma=True, warp_spec=True, gluon=True),
     FwdConfig("sm90pp_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True),
+    FwdConfig("sm90ppp_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
+              persistent=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
     FwdConfig("cpu_m64_n64", 64, 64, 4, 1),
@@ -366,6 +371,11 @@ _SM90_DEFAULTS = {
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _smem_limit(device_index: int, gluon: bool) -> int:
     """Shared memory a program's tiles may take: the device's limit, less a margin for
     Triton's own scratch, or for a Gluon kernel's few barriers (it takes exactly its tiles)."""
@@ -675,6 +685,8 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
     if config.gluon and use_tma:
         # Without TMA-aligned inputs a Gluon config's tiles run on the Triton kernel's pointer path.
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
+        if config.persistent and q.device.type == "cuda":
+            grid = (min(grid[0], _sm_count(q.device.index)),)
         args = args + (config.num_stages, config.num_warps, config.pingpong)  # STAGES, NUM_WARPS, IS_PINGPONG
     try:
         if sig is None:

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
-from .sm90_common import issue_tiles, load_slice, tma_load, wait_tile_landed
+from .sm90_common import issue_tiles, load_slice, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -71,66 +71,92 @@ def _softmax_step(
 
 
 @gluon.jit
+def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item ``w`` (the program ``w`` of the one-program-per-item grid): ``(pid_h, pid_kvh, r0, r1, s_lo, s_hi)``."""
+    block_lo_ptr, block_hi_ptr, block_order_ptr = order_ptrs
+    pid_h, r0, r1, s_lo, s_hi = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+    return pid_h, pid_h // GROUP, r0, r1, s_lo, s_hi
+
+
+@gluon.jit
 def _ws_producer(
     ptrs, smem, scalars,
-    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
 ):
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr = ptrs
-    q_smem, k_smem, v_smem, q_ready, ready, empty, turn = smem
-    (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
     KV_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
-    q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
-                                        strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
-                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
-    v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
-    for j in gl.static_range(2):
-        mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
-        tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
+    n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     it = 0
+    n_sl = 0
+    wi = 0
     # The last tile loaded through each of the two value descriptors (sm90_common: a
-    # descriptor is rewritten only once its loads have landed).
+    # descriptor is rewritten only once the loads through it have landed).
     last_a = it - 1
     last_b = it - 1
-    for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
-        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
-                                                                                BLOCK_N)
-        # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
-        # slice covers cannot reach P @ V through a p of 0.
-        if (s_idx - s_lo) % 2 == 0:
-            wait_tile_landed(ready, last_a, it, STAGES)
-            v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
-                                                block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES, STAGES)
-            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
-        else:
-            wait_tile_landed(ready, last_b, it, STAGES)
-            v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
-                                                block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES, STAGES)
-            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
-        it += n_tiles
+    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+        # Both consumers are done with the previous work's query block (a fresh barrier passes
+        # phase 1); its loads landed before they used it, so its descriptor can be rewritten.
+        for j in gl.static_range(2):
+            mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
+        q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
+                                            strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
+        for j in gl.static_range(2):
+            mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
+            tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
+        # The key descriptor follows the head: every key tile still in flight lands first.
+        wait_tiles_landed(ready, it - 1, it, STAGES)
+        k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
+                                            strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
+        v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
+        for s_idx in range(s_lo, s_hi):
+            qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
+            has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                    BLOCK_N)
+            # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
+            # slice covers cannot reach P @ V through a p of 0.
+            if n_sl % 2 == 0:
+                wait_tiles_landed(ready, last_a, it, STAGES)
+                v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
+                                                    block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
+                issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
+                          STAGES)
+                last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+            else:
+                wait_tiles_landed(ready, last_b, it, STAGES)
+                v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
+                                                    block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
+                issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
+                          STAGES)
+                last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+            it += n_tiles
+            n_sl += 1
+        wi += 1
 
 
 @gluon.jit
-def _ws_consumer(
-    ptrs, smem, scalars,
+def _consume_work(
+    ptrs, smem, scalars, work, it, n_blk,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
 ):
-    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of the block, on one warpgroup."""
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr = ptrs
-    q_smem, k_smem, v_smem, q_ready, ready, empty, turn = smem
-    (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of one work item, on one warpgroup: ring tiles from ``it``,
+    ping-pong blocks from ``n_blk``; returns both advanced. The query half is released once
+    its last score matmul is done."""
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
+    pid_h, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -149,10 +175,6 @@ def _ws_consumer(
     acc = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_o)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
     q_half = q_smem.index(J)
-    mbarrier.wait(q_ready.index(J), 0)
-    it = 0
-    # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
-    n_blk = 0
     for s_idx in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
@@ -222,6 +244,7 @@ def _ws_consumer(
                 acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
                 mbarrier.arrive(empty.index(slot), count=1)
         it += n_tiles
+    mbarrier.arrive(q_free.index(J), count=1)
 
     covered = l_i != 0.0
     l_safe = gl.where(covered, l_i, 1.0)
@@ -237,18 +260,44 @@ def _ws_consumer(
     gl.store(lse_ptr + offs_m.to(gl.int64) * stride_lt + pid_h, lse, mask=mask_m)
     if HAS_MAX_LOGITS:
         gl.store(rowmax_ptr + offs_m.to(gl.int64) * stride_mt + pid_h, m_i * DEV_LN2, mask=mask_m)
+    return it, n_blk
+
+
+@gluon.jit
+def _ws_consumer(
+    ptrs, smem, scalars,
+    D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+):
+    """Half ``J`` of every work item of this program, on one warpgroup."""
+    order_ptrs = ptrs[7]
+    q_ready = smem[3]
+    Hq, GROUP, Tq = scalars[0], scalars[1], scalars[2]
+    n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
+    it = 0
+    # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
+    n_blk = 0
+    wi = 0
+    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+        mbarrier.wait(q_ready.index(J), wi & 1)
+        it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV, BLOCK_M,
+                                  BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES,
+                                  IS_PINGPONG, J)
+        wi += 1
 
 
 @gluon.jit
 def _ws_consumer_1(
     ptrs, smem, scalars,
-    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
-        ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
+        ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
         HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 1,
     )
 
@@ -281,18 +330,16 @@ def range_attn_fwd_sm90_ws_kernel(
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    pid_h, r0, r1, s_lo, s_hi = plan_program(gl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
-                                             SPLIT, BLOCK_M)
-    pid_kvh = pid_h // GROUP
-
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], q_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=1)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
@@ -302,15 +349,15 @@ def range_attn_fwd_sm90_ws_kernel(
 
     # Runtime values only in the tuple variables: a constexpr stored in one reaches the
     # partitions as a tensor, so the constexprs are listed in each call.
-    ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr)
-    smem = (q_smem, k_smem, v_smem, q_ready, ready, empty, turn)
-    scalars = (pid_h, pid_kvh, r0, r1, s_lo, s_hi, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-               stride_vh, stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
+    ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr, block_order_ptr))
+    smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn)
+    scalars = (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+               stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
     gl.warp_specialize([
-        (_ws_consumer, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+        (_ws_consumer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 0)),
-        (_ws_consumer_1, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+        (_ws_consumer_1, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                           IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG)),
-        (_ws_producer, (ptrs, smem, scalars, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+        (_ws_producer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG)),
     ], [4, 1], [240, 24])

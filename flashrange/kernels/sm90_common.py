@@ -6,8 +6,8 @@ writes a device-side descriptor into one global-scratch slot per call site, and
 a TMA load reads its descriptor asynchronously, after the instruction issues:
 rewriting the slot while an earlier load through it is in flight can make that
 load use the next slice's bounds. So the producers keep two call sites used by
-turns (every other slice) and, before rewriting one, wait until the last tile
-loaded through it has landed (:func:`wait_tile_landed`); with a slice between
+turns (every other slice) and, before rewriting one, wait until every tile
+loaded through it has landed (:func:`wait_tiles_landed`); with a slice between
 the two uses that wait is almost always already satisfied.
 """
 
@@ -17,23 +17,26 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["issue_tiles", "load_slice", "tma_load", "wait_tile_landed"]
+__all__ = ["issue_tiles", "load_slice", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def wait_tile_landed(ready, last, it, STAGES: gl.constexpr):
-    """Wait until ring tile ``last`` (a count of tiles issued, ``-1`` for none) has landed.
+def wait_tiles_landed(ready, last, it, STAGES: gl.constexpr):
+    """Wait until every ring tile up to ``last`` (a count of tiles issued; ``-1`` for none) has landed.
 
-    ``it`` is the next tile the producer will issue. When tile ``last``'s slot
-    was refilled since (``it - last > STAGES``) it has landed already (the
-    producer waited for the consumers to release it), and the slot's barrier
-    now counts a later tile, so it is not waited on.
+    ``it`` is the next tile the producer will issue. Only the last ``STAGES``
+    tiles issued can still be in flight, each in its own slot (an older tile
+    landed before its slot was refilled: the producer waited for the consumers
+    to release it), so at most ``STAGES`` waits, none on a slot's later use.
+    Tiles issued after ``last`` (the other descriptor's) are not waited on.
     """
-    if (last >= 0) & (it - last <= STAGES):
-        mbarrier.wait(ready.index(last % STAGES), (last // STAGES) & 1)
+    for i in gl.static_range(STAGES):
+        c = last - i
+        if (c >= 0) & (it - c <= STAGES):
+            mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
 
 
 @gluon.jit
