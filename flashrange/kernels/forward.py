@@ -299,8 +299,8 @@ class FwdConfig:
     gluon: bool = False
     # Gluon only: its two consumer warpgroups take turns issuing their matmuls.
     pingpong: bool = False
-    # Gluon only (branch exp/fwd-persistent): one program per SM walks the work items (query
-    # block x head, heavy first) in turn, loading the next block's queries under the last tiles.
+    # Gluon only: one program per SM walks the work items (query block x head, heavy first) in
+    # turn, instead of one program per item (docs/design.md, "The Hopper forward").
     persistent: bool = False
 
 
@@ -371,11 +371,11 @@ _SM90_DEFAULTS = {
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
 def _smem_limit(device_index: int, gluon: bool) -> int:
     """Shared memory a program's tiles may take: the device's limit, less a margin for
     Triton's own scratch, or for a Gluon kernel's few barriers (it takes exactly its tiles)."""
