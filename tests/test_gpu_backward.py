@@ -355,20 +355,25 @@ def _gluon_config(D, Dv, dtype):
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
 def test_gluon_backward_is_the_default_and_builds():
-    """Head dims padded to 128 in 2-byte dtypes take the Gluon kernels by default, and they build (no warning)."""
+    """Head dims padded to 128 in 2-byte dtypes take both Gluon kernels by default, head dim 64 the Gluon dQ
+    kernel only, and they build (no warning)."""
     import warnings
 
     from flashrange.kernels.backward import default_config
 
-    for D, Dv, dtype, want in ((128, 128, torch.bfloat16, True), (96, 96, torch.float16, True),
-                               (64, 128, torch.bfloat16, True), (64, 64, torch.bfloat16, False),
-                               (128, 128, torch.float32, False), (256, 256, torch.bfloat16, False)):
+    for D, Dv, dtype, want_dkdv, want_dq in (
+            (128, 128, torch.bfloat16, True, True), (96, 96, torch.float16, True, True),
+            (64, 128, torch.bfloat16, True, True), (64, 64, torch.bfloat16, False, True),
+            (64, 64, torch.float16, False, True), (32, 32, torch.bfloat16, False, False),
+            (128, 128, torch.float32, False, False), (64, 64, torch.float32, False, False),
+            (256, 256, torch.bfloat16, False, False)):
         cfg = default_config(D, Dv, dtype, torch.device(DEV))
-        assert cfg.gluon_dkdv == cfg.gluon_dq == want, (D, Dv, dtype)
+        assert (cfg.gluon_dkdv, cfg.gluon_dq) == (want_dkdv, want_dq), (D, Dv, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        _three_way(1031, 1031, 4, 2, 128, 128, [(0, 1031, 0, 1031, CAUSAL), (100, 700, 0, 300, FULL)],
-                   torch.bfloat16, softcap=20.0, seed=3)
+        for D in (128, 64):
+            _three_way(1031, 1031, 4, 2, D, D, [(0, 1031, 0, 1031, CAUSAL), (100, 700, 0, 300, FULL)],
+                       torch.bfloat16, softcap=20.0, seed=3)
 
 
 class _Unbuildable:

@@ -430,6 +430,8 @@ def test_hopper_kernel_is_the_default_and_builds():
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
             check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
     assert default_config(128, 128, torch.bfloat16).gluon
+    # One program per SM walks the work items (docs/design.md, "The Hopper forward").
+    assert default_config(128, 128, torch.bfloat16).persistent
 
 
 class _Unbuildable:

@@ -478,7 +478,10 @@ def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: boo
     if dtype == torch.float32:
         return BwdConfig(32, 64, 4, 2, 64, 32, 4, 2) if d <= 128 else BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
     if d <= 64:
-        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
+        # On Hopper the Gluon dQ kernel was a little faster and the Gluon dK/dV kernel slower
+        # than the Triton ones (BENCHMARKS.md, seventh session).
+        gluon_dq = hopper and dtype.itemsize == 2 and pad_dim(D) == pad_dim(Dv) == 64
+        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dq=gluon_dq)
     if d <= 128:
         # Padded to 128 on Hopper: the Gluon kernels (faster on every mask timed but dense
         # full, BENCHMARKS.md sixth session); head dim 64 keeps the Triton ones (not timed).

@@ -299,8 +299,8 @@ class FwdConfig:
     gluon: bool = False
     # Gluon only: its two consumer warpgroups take turns issuing their matmuls.
     pingpong: bool = False
-    # Gluon only: one program per SM walks the work items (query block x head, heavy first) in
-    # turn, instead of one program per item (docs/design.md, "The Hopper forward").
+    # Gluon only: one program per SM walks the work items (query block x head, heavy first),
+    # instead of one program per item (docs/design.md, "The Hopper forward").
     persistent: bool = False
 
 
@@ -366,7 +366,7 @@ _DEFAULTS = {
 # On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim; the
 # Triton kernel stays faster at head dim 64 (BENCHMARKS.md, fifth session).
 _SM90_DEFAULTS = {
-    128: "sm90pp_m128_n128_w4_s3",
+    128: "sm90ppp_m128_n128_w4_s3",
 }
 
 

@@ -79,20 +79,79 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
+def _nth_work(i, n_prog):
+    """This program's ``i``-th work item: rounds of ``n_prog`` items walked forward and backward by turns,
+    so that along a heavy-first list every program's items add up to about the same work (a plain
+    stride gives the first programs the heaviest item of every round). One round when each program
+    has its own item."""
+    pid = gl.program_id(0)
+    return i * n_prog + gl.where(i % 2 == 0, pid, n_prog - 1 - pid)
+
+
+@gluon.jit
+def _produce_work(
+    ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b,
+    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``.
+    ``n_sl`` counts slices so far (the value descriptor's call site alternates), ``wi`` items so far;
+    ``last_a`` / ``last_b`` is the last tile through each value descriptor. Returns them advanced."""
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+     stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
+    pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
+    KV_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
+    # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1);
+    # those loads landed before they were used, so the query descriptor can be rewritten.
+    for j in gl.static_range(2):
+        mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
+    q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
+                                        strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
+    for j in gl.static_range(2):
+        mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
+        tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
+    # The key descriptor follows the head: every key tile still in flight lands first.
+    wait_tiles_landed(ready, it - 1, it, STAGES)
+    k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
+                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
+    v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
+    for s_idx in range(s_lo, s_hi):
+        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
+        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                BLOCK_N)
+        # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
+        # slice covers cannot reach P @ V through a p of 0.
+        if n_sl % 2 == 0:
+            wait_tiles_landed(ready, last_a, it, STAGES)
+            v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
+                                                block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
+            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES, STAGES)
+            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+        else:
+            wait_tiles_landed(ready, last_b, it, STAGES)
+            v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
+                                                block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
+            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES, STAGES)
+            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+        it += n_tiles
+        n_sl += 1
+    return it, n_sl, last_a, last_b
+
+
+@gluon.jit
 def _ws_producer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
 ):
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
-    (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-     stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
-    HALF: gl.constexpr = BLOCK_M // 2
-    q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    KV_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
+    order_ptrs = ptrs[7]
+    Hq, GROUP, Tq = scalars[0], scalars[1], scalars[2]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     it = 0
     n_sl = 0
@@ -101,45 +160,15 @@ def _ws_producer(
     # descriptor is rewritten only once the loads through it have landed).
     last_a = it - 1
     last_b = it - 1
-    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-        # Both consumers are done with the previous work's query block (a fresh barrier passes
-        # phase 1); its loads landed before they used it, so its descriptor can be rewritten.
-        for j in gl.static_range(2):
-            mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
-        q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
-                                            strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
-        for j in gl.static_range(2):
-            mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
-            tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
-        # The key descriptor follows the head: every key tile still in flight lands first.
-        wait_tiles_landed(ready, it - 1, it, STAGES)
-        k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
-                                            strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
-        v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
-        for s_idx in range(s_lo, s_hi):
-            qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
-            has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
-                                                                                    BLOCK_N)
-            # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
-            # slice covers cannot reach P @ V through a p of 0.
-            if n_sl % 2 == 0:
-                wait_tiles_landed(ready, last_a, it, STAGES)
-                v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
-                                                    block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-                issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
-                          STAGES)
-                last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
-            else:
-                wait_tiles_landed(ready, last_b, it, STAGES)
-                v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
-                                                    block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-                issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES,
-                          STAGES)
-                last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
-            it += n_tiles
-            n_sl += 1
-        wi += 1
+    n_prog = gl.num_programs(0)
+    for i in range(0, gl.cdiv(n_work, n_prog)):
+        w = _nth_work(i, n_prog)
+        # The last round is short: some programs have no item in it.
+        if w < n_work:
+            work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, D, DV,
+                                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            wi += 1
 
 
 @gluon.jit
@@ -175,6 +204,9 @@ def _consume_work(
     acc = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_o)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
     q_half = q_smem.index(J)
+    # The query half is released after its last score matmul (ping-pong; otherwise at the end),
+    # so that a persistent program's next queries load under this item's last tile and epilogue.
+    q_held = 1
     for s_idx in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
@@ -196,6 +228,9 @@ def _consume_work(
                 mbarrier.arrive(turn.index(1 - J), count=1)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 n_blk += 1
+                if (n_tiles == 1) & (s_idx == s_hi - 1):
+                    mbarrier.arrive(q_free.index(J), count=1)
+                    q_held = 0
                 is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
                 offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
@@ -214,6 +249,9 @@ def _consume_work(
                     mbarrier.arrive(turn.index(1 - J), count=1)
                     acc, s, p_op = warpgroup_mma_wait(0, deps=(acc, s, p_op))
                     n_blk += 1
+                    if (t == n_tiles - 1) & (s_idx == s_hi - 1):
+                        mbarrier.arrive(q_free.index(J), count=1)
+                        q_held = 0
                     mbarrier.arrive(empty.index(prev), count=1)
                     is_edge = (t < n_full_lo) | (t >= n_full_hi)
                     offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
@@ -244,7 +282,8 @@ def _consume_work(
                 acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
                 mbarrier.arrive(empty.index(slot), count=1)
         it += n_tiles
-    mbarrier.arrive(q_free.index(J), count=1)
+    if q_held == 1:
+        mbarrier.arrive(q_free.index(J), count=1)
 
     covered = l_i != 0.0
     l_safe = gl.where(covered, l_i, 1.0)
@@ -279,13 +318,16 @@ def _ws_consumer(
     # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
     n_blk = 0
     wi = 0
-    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-        mbarrier.wait(q_ready.index(J), wi & 1)
-        it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES,
-                                  IS_PINGPONG, J)
-        wi += 1
+    n_prog = gl.num_programs(0)
+    for i in range(0, gl.cdiv(n_work, n_prog)):
+        w = _nth_work(i, n_prog)
+        if w < n_work:
+            pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+            mbarrier.wait(q_ready.index(J), wi & 1)
+            it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
+                                      STAGES, IS_PINGPONG, J)
+            wi += 1
 
 
 @gluon.jit
