@@ -344,13 +344,13 @@ def test_offsets_past_int32_in_a_strided_view():
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _gluon_config(D, Dv, dtype):
+def _gluon_config(D, Dv, dtype, persistent=False):
     import dataclasses
 
     from flashrange.kernels.backward import default_config
 
     return dataclasses.replace(default_config(D, Dv, dtype, torch.device(DEV)), kv_block_n=128, q_block_m=128,
-                               gluon_dkdv=True, gluon_dq=True)
+                               gluon_dkdv=True, gluon_dq=True, persistent=persistent)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
@@ -369,6 +369,8 @@ def test_gluon_backward_is_the_default_and_builds():
             (256, 256, torch.bfloat16, False, False)):
         cfg = default_config(D, Dv, dtype, torch.device(DEV))
         assert (cfg.gluon_dkdv, cfg.gluon_dq) == (want_dkdv, want_dq), (D, Dv, dtype)
+        # The Gluon kernels run on the persistent grid (docs/design.md, "The Hopper backward").
+        assert cfg.persistent == (want_dkdv or want_dq), (D, Dv, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for D in (128, 64):
@@ -432,20 +434,43 @@ def test_gluon_backward_realistic_sizes(T, Hq, Hkv, D, build, dtype, softcap, go
     pytest.param(1500, 2049, 4, 1, 200, 64, torch.bfloat16, id="200-slices-Tk2049-D64-g4"),
 ])
 def test_gluon_backward_many_short_slices(Tq, Tk, Hq, Hkv, n, D, dtype):
-    """Many short slices, each bounded at its own ends, through both Gluon kernels, 4 inputs each.
+    """Many short slices, each bounded at its own ends, through both Gluon kernels on both grids, 4 inputs each.
 
     Their producers build a descriptor per slice (and per query head for dK/dV)
     and must not rewrite one that loads are still reading (kernels/sm90_common.py).
     """
     for seed in range(4):
         rows = short_slice_rows(Tq, Tk, n, random.Random(seed))
-        try:
-            _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, seed=seed, config=_gluon_config(D, D, dtype))
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: rows={rows}: {e}") from None
+        for persistent in (False, True):
+            try:
+                _three_way(Tq, Tk, Hq, Hkv, D, D, rows, dtype, seed=seed,
+                           config=_gluon_config(D, D, dtype, persistent))
+            except AssertionError as e:
+                raise AssertionError(f"persistent={persistent} seed {seed}: rows={rows}: {e}") from None
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
-def test_gluon_backward_fuzz():
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-program-per-item", "persistent"])
+def test_gluon_backward_fuzz(persistent):
     """300 random problems forced through the Gluon kernels, at the head dims they serve."""
-    _grad_fuzz(4321, 300, [1, 17, 64, 65], 700, [64, 128, 96], config_for=lambda D, dtype: _gluon_config(D, D, dtype))
+    _grad_fuzz(4321, 300, [1, 17, 64, 65], 700, [64, 128, 96],
+               config_for=lambda D, dtype: _gluon_config(D, D, dtype, persistent))
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+def test_gluon_backward_persistent_grid_is_bitwise_the_same():
+    """One program per SM walking several work items gives the same bits as one program per item.
+
+    8191 keys in 128-key blocks over 4 key/value heads (and 8191 rows over 8 query heads) are more
+    work items than the H200's SMs, so programs take several, in both kernels.
+    """
+    T = 8191
+    rows = _docs(T, 37, 5) + [(100, 3000, 50, 2900, FULL), (4000, 8191, 4000, 8000, INV_CAUSAL)]
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, *_) = _three_way(T, T, 8, 4, 128, 128, rows, torch.bfloat16,
+                                                                 seed=5, golden=False,
+                                                                 config=_gluon_config(128, 128, torch.bfloat16))
+    qr, kr, mt = _ranges(rows)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
+                                          config=_gluon_config(128, 128, torch.bfloat16, persistent=True))
+    for a, b in zip((dq, dk, dv), got):
+        assert torch.equal(a, b)

@@ -212,6 +212,11 @@ def test_default_configs_and_config_checks():
         BwdConfig(32, 128, 4, 1, 64, 64, 4, 1, gluon_dq=True)
     with pytest.raises(ValueError, match="must be a bool"):
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=1)
+    with pytest.raises(ValueError, match="must be a bool"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=1)
+    with pytest.raises(ValueError, match="persistent applies to the Gluon kernels only"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, persistent=True)
+    assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True).persistent
 
 
 def test_hopper_backward_refused_off_hopper():

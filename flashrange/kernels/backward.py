@@ -52,6 +52,7 @@ from .common import (
     plan_split,
     query_span,
     slice_diagonals,
+    sm_count,
     tma_aligned,
     warn_gluon_fallback,
 )
@@ -425,10 +426,13 @@ class BwdConfig:
     # head dims other than 64/128, views not 16-byte aligned) run the Triton kernel.
     gluon_dkdv: bool = False
     gluon_dq: bool = False
+    # The Gluon kernels launch one program per SM, each walking several of the Triton grid's work
+    # items (docs/design.md, "The Hopper backward"); the Triton kernels keep their grid.
+    persistent: bool = False
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -443,6 +447,9 @@ class BwdConfig:
             raise ValueError(f"BwdConfig.gluon_dkdv needs kv_block_n=128, got {self.kv_block_n}")
         if self.gluon_dq and self.q_block_m != 128:
             raise ValueError(f"BwdConfig.gluon_dq needs q_block_m=128, got {self.q_block_m}")
+        if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
+            raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
+                             "too, or leave persistent False")
 
 
 def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:
@@ -481,12 +488,12 @@ def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: boo
         # On Hopper the Gluon dQ kernel was a little faster and the Gluon dK/dV kernel slower
         # than the Triton ones (BENCHMARKS.md, seventh session).
         gluon_dq = hopper and dtype.itemsize == 2 and pad_dim(D) == pad_dim(Dv) == 64
-        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dq=gluon_dq)
+        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dq=gluon_dq, persistent=gluon_dq)
     if d <= 128:
         # Padded to 128 on Hopper: the Gluon kernels (faster on every mask timed but dense
         # full, BENCHMARKS.md sixth session); head dim 64 keeps the Triton ones (not timed).
         gluon = hopper and dtype.itemsize == 2 and max(pad_dim(D), pad_dim(Dv)) == 128
-        return BwdConfig(32, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon)
+        return BwdConfig(32, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon, persistent=gluon)
     return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
@@ -582,7 +589,9 @@ def range_attention_backward_triton(
             if use_gluon and not _GLUON_FAILURES:
                 try:
                     ensure_tma_allocator()
-                    launch(_gluon_kernel(name), grid, args + (stages, 4), num_warps=4, maxnreg=WS_MAXNREG)
+                    # The Triton kernel below (a fallback) keeps the full grid.
+                    gluon_grid = (min(grid[0], sm_count(dev.index)),) if cfg.persistent else grid
+                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4), num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
                     if config is not None:

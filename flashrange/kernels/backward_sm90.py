@@ -6,9 +6,11 @@ empty slices, GQA, softcap and a gradient through lse. Anything else runs the
 Triton kernels of :mod:`flashrange.kernels.backward`, which launch these.
 
 Each kernel has its Triton twin's parameters (plus ``STAGES`` and
-``NUM_WARPS``), grid, program order, plan and arithmetic, so the gradients
-are deterministic and invariant to slice order and empty slices in the same
-way. The dQ kernel runs first and writes the ``(delta, lse * log2(e))``
+``NUM_WARPS``), work items, plan and arithmetic, so the gradients are
+deterministic and invariant to slice order and empty slices in the same
+way. On the Triton kernel's grid a program computes one work item; on a
+smaller (persistent) grid each program walks several (``sm90_common.nth_work``),
+with the same bits. The dQ kernel runs first and writes the ``(delta, lse * log2(e))``
 workspace that the dK/dV kernel reads. Both are warp-specialized like the
 Hopper forward: a producer warp issues every TMA load into a ring of
 ``STAGES`` slots ("ready" and "empty" mbarriers), and two consumer
@@ -37,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import issue_tiles, load_slice, tma_load, wait_tiles_landed
+from .sm90_common import issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -59,17 +61,26 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
 
 
 @gluon.jit
-def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty = smem
-    (pid_hk, c0, c1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-     stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_b, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
+    """Loads of one work item: the key block's K and V halves, then every (slice, query head) pair's q and
+    dO tiles into ring tiles from ``it``. ``n_pairs`` counts pairs so far (the descriptors' call site
+    alternates), ``wi`` items so far; ``last_a`` / ``last_b`` is the last tile through each pair of
+    descriptors. Returns them advanced."""
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty = smem
+    (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+    pid_hk, c0, c1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
     TILE_BYTES: gl.constexpr = BLOCK_M * (BLOCK_D + BLOCK_DV) * 2
     hk = pid_hk.to(gl.int64)
+    # Both consumers are done with the previous item's K and V (a fresh barrier passes phase 1);
+    # those loads landed before they were used, so the descriptors can be rewritten.
+    for j in gl.static_range(2):
+        mbarrier.wait(kv_free.index(j), (wi & 1) ^ 1)
     k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[Tk, D], strides=[stride_kt, 1],
                                         block_shape=[HALF, BLOCK_D], layout=d_layout)
     v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[Tk, DV], strides=[stride_vt, 1],
@@ -78,17 +89,12 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         mbarrier.expect(kv_ready.index(j), HALF * (BLOCK_D + BLOCK_DV) * 2)
         tma_load(k_desc, [c0 + j * HALF, 0], kv_ready.index(j), k_smem.index(j))
         tma_load(v_desc, [c0 + j * HALF, 0], kv_ready.index(j), v_smem.index(j))
-    it = 0
-    # The last tile loaded through each of the two pairs of descriptors (sm90_common: a
-    # descriptor is rewritten only once its loads have landed).
-    last_a = it - 1
-    last_b = it - 1
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         h = (pid_hk * G + sg - s * G).to(gl.int64)
         qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
         # Rows at or past m_hi read as zeros.
-        if (sg - s_lo * G) % 2 == 0:
+        if n_pairs % 2 == 0:
             wait_tiles_landed(ready, last_a, it, STAGES)
             q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
                                                 strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
@@ -111,16 +117,45 @@ def _producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES)
             last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
         it += n_tiles
+        n_pairs += 1
+    return it, n_pairs, last_a, last_b
 
 
 @gluon.jit
-def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr):
-    """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of the block, on one warpgroup."""
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty = smem
-    (pid_hk, c0, c1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-     stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
+    Tk, Hkv = scalars[1], scalars[3]
+    n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
+    it = 0
+    n_pairs = 0
+    wi = 0
+    # The last tile loaded through each of the two pairs of descriptors (sm90_common: a
+    # descriptor is rewritten only once the loads through it have landed).
+    last_a = it - 1
+    last_b = it - 1
+    n_prog = gl.num_programs(0)
+    for i in range(0, gl.cdiv(n_work, n_prog)):
+        w = nth_work(i, n_prog)
+        # The last round is short: some programs have no item in it.
+        if w < n_work:
+            work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
+            it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a,
+                                                             last_b, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            wi += 1
+
+
+@gluon.jit
+def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                       STAGES: gl.constexpr, J: gl.constexpr):
+    """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
+    returns ``it`` advanced. The K and V halves are released after their last matmul."""
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty = smem
+    (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+    pid_hk, c0, c1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_N // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -142,8 +177,9 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     k_half = k_smem.index(J)
     v_half = v_smem.index(J)
     lse2_ptr = ws_ptr + Hq.to(gl.int64) * Tq
-    mbarrier.wait(kv_ready.index(J), 0)
-    it = 0
+    # Released after the item's last S^T / dP^T matmuls, so that a persistent program's next K and V
+    # load under this item's last dV / dK matmuls and its epilogue (at the end if it has no tile).
+    kv_held = 1
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         h = (pid_hk * G + sg - s * G).to(gl.int64)
@@ -161,6 +197,7 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
         delta_head_ptr = ws_ptr + h * Tq
         lse2_head_ptr = lse2_ptr + h * Tq
+        is_last_pair = sg == s_hi * G - 1
         for t in range(n_tiles):
             cur = it + t
             slot = cur % STAGES
@@ -178,6 +215,9 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
             qkT, dpT = warpgroup_mma_wait(0, deps=(qkT, dpT))
+            if is_last_pair & (t == n_tiles - 1):
+                mbarrier.arrive(kv_free.index(J), count=1)
+                kv_held = 0
             if HAS_SOFTCAP:
                 e = gl.exp2(qkT * (2.0 * DEV_LOG2E * scale / softcap))
                 th = 1.0 - 2.0 / (e + 1.0)
@@ -201,6 +241,8 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(slot), count=1)
         it += n_tiles
+    if kv_held == 1:
+        mbarrier.arrive(kv_free.index(J), count=1)
 
     dk = dk * scale
     key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
@@ -216,13 +258,36 @@ def _consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     cols_v = gl.arange(0, BLOCK_DV, layout=col_v)
     gl.store(dv_ptr + hk * stride_dvh + gl.expand_dims(rows_v * stride_dvt, 1) + gl.expand_dims(cols_v, 0),
              dv.to(dtype), mask=gl.expand_dims(rows_v < Tk, 1) & gl.expand_dims(cols_v < DV, 0))
+    return it
 
 
 @gluon.jit
-def _consumer_1(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+              J: gl.constexpr):
+    """Half ``J`` of every work item of this program, on one warpgroup."""
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
+    kv_ready = smem[4]
+    Tk, Hkv = scalars[1], scalars[3]
+    n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
+    it = 0
+    wi = 0
+    n_prog = gl.num_programs(0)
+    for i in range(0, gl.cdiv(n_work, n_prog)):
+        w = nth_work(i, n_prog)
+        if w < n_work:
+            work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
+            mbarrier.wait(kv_ready.index(J), wi & 1)
+            it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                                    STAGES, J)
+            wi += 1
+
+
+@gluon.jit
+def _consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
-    _consumer(ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 1)
+    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -238,38 +303,39 @@ def bwd_dkdv_sm90_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
-    """The Triton dK/dV kernel's parameters and grid, plus ``STAGES`` and ``NUM_WARPS``; launched with 4 warps
-    (the first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split."""
+    """The Triton dK/dV kernel's parameters, plus ``STAGES`` and ``NUM_WARPS``; launched with 4 warps (the
+    first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the
+    Triton kernel's grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    pid_hk, c0, c1, s_lo, s_hi = plan_program(gl.program_id(0), Hkv, Tk, block_order_ptr, block_lo_ptr,
-                                              block_hi_ptr, SPLIT, BLOCK_N)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], d_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DV], dv_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
     # Runtime values only in the tuple variables (a constexpr stored in one reaches the partitions as a tensor).
-    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr)
-    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty)
-    scalars = (pid_hk, c0, c1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh,
-               stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale,
-               softcap)
+    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr,
+                                                                             block_order_ptr))
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty)
+    scalars = (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
     gl.warp_specialize([
-        (_consumer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 0)),
-        (_consumer_1, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
-        (_producer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
+        (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 0)),
+        (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
+        (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
     ], [4, 1], [240, 24])
 
 
@@ -282,33 +348,34 @@ def bwd_dkdv_sm90_kernel(
 
 
 @gluon.jit
-def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                 BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                 STAGES: gl.constexpr):
-    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr = ptrs
-    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
-    (pid_h, r0, r1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
-     stride_dqt, stride_dqh, scale, softcap) = scalars
+def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
+    """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``
+    (counters as in ``_produce_dkdv_work``)."""
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr, order_ptrs = ptrs
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty = smem
+    (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+     stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh, stride_dqt, stride_dqh, scale,
+     softcap) = scalars
+    pid_h, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
     TILE_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
     h = pid_h.to(gl.int64)
     hk = (pid_h // G).to(gl.int64)
+    # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1).
+    for j in gl.static_range(2):
+        mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
     q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[Tq, D], strides=[stride_qt, 1],
                                         block_shape=[HALF, BLOCK_D], layout=d_layout)
     for j in gl.static_range(2):
         mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
         tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
-    it = 0
-    # As in the dK/dV producer: two pairs of descriptors by turns.
-    last_a = it - 1
-    last_b = it - 1
     for s in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
         # Keys at or past the slice's end read as zeros.
-        if (s - s_lo) % 2 == 0:
+        if n_sl % 2 == 0:
             wait_tiles_landed(ready, last_a, it, STAGES)
             k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
                                                 strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
@@ -331,6 +398,31 @@ def _dq_producer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
                         STAGES)
             last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
         it += n_tiles
+        n_sl += 1
+    return it, n_sl, last_a, last_b
+
+
+@gluon.jit
+def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+                 STAGES: gl.constexpr):
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
+    Tq, Hq = scalars[0], scalars[2]
+    n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
+    it = 0
+    n_sl = 0
+    wi = 0
+    # As in the dK/dV producer: two pairs of descriptors by turns.
+    last_a = it - 1
+    last_b = it - 1
+    n_prog = gl.num_programs(0)
+    for i in range(0, gl.cdiv(n_work, n_prog)):
+        w = nth_work(i, n_prog)
+        if w < n_work:
+            work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+            it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b,
+                                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            wi += 1
 
 
 @gluon.jit
@@ -343,15 +435,17 @@ def _slice_keys(slices_ptr, s, r0, r1, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                 BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                 STAGES: gl.constexpr, J: gl.constexpr):
-    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of the block, on one warpgroup."""
-    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr = ptrs
-    q_smem, k_smem, v_smem, q_ready, ready, empty = smem
-    (pid_h, r0, r1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-     stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
-     stride_dqt, stride_dqh, scale, softcap) = scalars
+def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                     HAS_DLSE: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr):
+    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``
+    (``wi`` items before it); returns ``it`` advanced. The query half is released after its last matmul."""
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr, order_ptrs = ptrs
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty = smem
+    (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+     stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh, stride_dqt, stride_dqh, scale,
+     softcap) = scalars
+    pid_h, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -392,8 +486,10 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
     qk_scale2 = scale * DEV_LOG2E
     q_half = q_smem.index(J)
-    mbarrier.wait(q_ready.index(J), 0)
-    it = 0
+    mbarrier.wait(q_ready.index(J), wi & 1)
+    # Released after the item's last S / dP matmuls, so that a persistent program's next queries load
+    # under this item's last dQ matmul and its epilogue (at the end if it has no tile).
+    q_held = 1
     for s in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
@@ -407,6 +503,7 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
         f_hi = gl.where(rows_inside, f_hi, n_hi)
         d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
         d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        is_last_slice = s == s_hi - 1
         for t in range(n_tiles):
             cur = it + t
             slot = cur % STAGES
@@ -417,6 +514,9 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
             qk = warpgroup_mma(q_half, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk, dp, do_op = warpgroup_mma_wait(0, deps=(qk, dp, do_op))
+            if is_last_slice & (t == n_tiles - 1):
+                mbarrier.arrive(q_free.index(J), count=1)
+                q_held = 0
             if HAS_SOFTCAP:
                 e = gl.exp2(qk * (2.0 * DEV_LOG2E * scale / softcap))
                 th = 1.0 - 2.0 / (e + 1.0)
@@ -436,6 +536,8 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
             mbarrier.arrive(empty.index(slot), count=1)
         it += n_tiles
+    if q_held == 1:
+        mbarrier.arrive(q_free.index(J), count=1)
 
     dq = dq * scale
     row_q: gl.constexpr = gl.SliceLayout(1, mma_q)
@@ -444,13 +546,34 @@ def _dq_consumer(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
     cols = gl.arange(0, BLOCK_D, layout=col_q)
     gl.store(dq_ptr + h * stride_dqh + gl.expand_dims(rows * stride_dqt, 1) + gl.expand_dims(cols, 0), dq.to(dtype),
              mask=gl.expand_dims(rows < Tq, 1) & gl.expand_dims(cols < D, 0))
+    return it
 
 
 @gluon.jit
-def _dq_consumer_1(ptrs, smem, scalars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                   BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+def _dq_consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+                 STAGES: gl.constexpr, J: gl.constexpr):
+    """Half ``J`` of every work item of this program, on one warpgroup."""
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
+    Tq, Hq = scalars[0], scalars[2]
+    n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
+    it = 0
+    wi = 0
+    n_prog = gl.num_programs(0)
+    for i in range(0, gl.cdiv(n_work, n_prog)):
+        w = nth_work(i, n_prog)
+        if w < n_work:
+            work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+            it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                  HAS_SOFTCAP, HAS_DLSE, STAGES, J)
+            wi += 1
+
+
+@gluon.jit
+def _dq_consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                    STAGES: gl.constexpr):
-    _dq_consumer(ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 1)
+    _dq_consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
@@ -468,33 +591,38 @@ def bwd_dq_sm90_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
-    """The Triton dQ kernel's parameters and grid, plus ``STAGES`` and ``NUM_WARPS`` (``BLOCK_M`` = 128)."""
+    """The Triton dQ kernel's parameters, plus ``STAGES`` and ``NUM_WARPS`` (``BLOCK_M`` = 128); on its grid
+    each program owns one work item, on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    pid_h, r0, r1, s_lo, s_hi = plan_program(gl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
-                                             SPLIT, BLOCK_M)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], d_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], dv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
-    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr)
-    smem = (q_smem, k_smem, v_smem, q_ready, ready, empty)
-    scalars = (pid_h, r0, r1, s_lo, s_hi, Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh,
-               stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt,
-               stride_dlh, stride_dqt, stride_dqh, scale, softcap)
+    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr,
+            (block_lo_ptr, block_hi_ptr, block_order_ptr))
+    smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty)
+    scalars = (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+               stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh, stride_dqt, stride_dqh,
+               scale, softcap)
     gl.warp_specialize([
-        (_dq_consumer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 0)),
-        (_dq_consumer_1, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES)),
-        (_dq_producer, (ptrs, smem, scalars, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES)),
+        (_dq_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
+                        STAGES, 0)),
+        (_dq_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
+                          STAGES)),
+        (_dq_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
+                        STAGES)),
     ], [4, 1], [240, 24])

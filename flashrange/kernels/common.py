@@ -12,6 +12,7 @@ So every type is the rectangle cut by at most two diagonals, which makes
 a few integer comparisons.
 """
 
+import functools
 import os
 import warnings
 
@@ -51,6 +52,7 @@ __all__ = [
     "pad_dim",
     "needs_int64",
     "plan_split",
+    "sm_count",
 ]
 
 # exp(x) = exp2(x * LOG2E): the kernels keep scores in base 2.
@@ -196,6 +198,12 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, maxnreg=None):
         _HANDLES[key] = jit_launch(kernel, grid, args, num_warps, num_stages, maxnreg)
         return
     run_compiled(handle, grid, args, device)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device: the grid of a persistent kernel (one program per SM)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def interpreting() -> bool:

@@ -59,6 +59,7 @@ from .common import (
     plan_program,
     plan_split,
     run_compiled,
+    sm_count,
     tma_aligned,
     warn_gluon_fallback,
 )
@@ -368,11 +369,6 @@ _DEFAULTS = {
 _SM90_DEFAULTS = {
     128: "sm90ppp_m128_n128_w4_s3",
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -686,7 +682,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         # Without TMA-aligned inputs a Gluon config's tiles run on the Triton kernel's pointer path.
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
-            grid = (min(grid[0], _sm_count(q.device.index)),)
+            grid = (min(grid[0], sm_count(q.device.index)),)
         args = args + (config.num_stages, config.num_warps, config.pingpong)  # STAGES, NUM_WARPS, IS_PINGPONG
     try:
         if sig is None:

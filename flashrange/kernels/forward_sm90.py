@@ -7,10 +7,12 @@ the same op as the Triton kernel). Not supported here, so the Triton kernel of
 :mod:`flashrange.kernels.forward` runs instead: float32, other head dims, GPUs
 other than compute capability 9.x, and the interpreter.
 
-Same work split, program order and plan as the Triton kernel: one program per
-block of ``BLOCK_M`` query rows of one head walks the slices of its plan
-window in order with one online softmax. What differs is the schedule, which
-Triton's compiler does not produce from the Triton kernel. The program is
+Same work items (a block of ``BLOCK_M`` query rows of one head, walking the
+slices of its plan window in order with one online softmax), heavy-first order
+and plan as the Triton kernel. On the Triton kernel's grid a program computes
+one item; on a persistent grid (the default config) each walks several
+(``sm90_common.nth_work``), with the same bits. What differs is the schedule,
+which Triton's compiler does not produce from the Triton kernel. The program is
 warp-specialized:
 
 - a producer warp issues every TMA load: the two 64-row halves of the query
@@ -34,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
-from .sm90_common import issue_tiles, load_slice, tma_load, wait_tiles_landed
+from .sm90_common import issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -76,16 +78,6 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
     block_lo_ptr, block_hi_ptr, block_order_ptr = order_ptrs
     pid_h, r0, r1, s_lo, s_hi = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
     return pid_h, pid_h // GROUP, r0, r1, s_lo, s_hi
-
-
-@gluon.jit
-def _nth_work(i, n_prog):
-    """This program's ``i``-th work item: rounds of ``n_prog`` items walked forward and backward by turns,
-    so that along a heavy-first list every program's items add up to about the same work (a plain
-    stride gives the first programs the heaviest item of every round). One round when each program
-    has its own item."""
-    pid = gl.program_id(0)
-    return i * n_prog + gl.where(i % 2 == 0, pid, n_prog - 1 - pid)
 
 
 @gluon.jit
@@ -162,7 +154,7 @@ def _ws_producer(
     last_b = it - 1
     n_prog = gl.num_programs(0)
     for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = _nth_work(i, n_prog)
+        w = nth_work(i, n_prog)
         # The last round is short: some programs have no item in it.
         if w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
@@ -320,7 +312,7 @@ def _ws_consumer(
     wi = 0
     n_prog = gl.num_programs(0)
     for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = _nth_work(i, n_prog)
+        w = nth_work(i, n_prog)
         if w < n_work:
             pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
             mbarrier.wait(q_ready.index(J), wi & 1)

@@ -17,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["issue_tiles", "load_slice", "tma_load", "wait_tiles_landed"]
+__all__ = ["issue_tiles", "load_slice", "nth_work", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -61,3 +61,13 @@ def load_slice(slices_ptr, s):
     """Slice ``s`` of a plan's slice table: ``(qs, qe, ks, ke, type)``."""
     row = slices_ptr + s * 5
     return gl.load(row + 0), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
+
+
+@gluon.jit
+def nth_work(i, n_prog):
+    """This program's ``i``-th work item under a persistent grid of ``n_prog`` programs: rounds of
+    ``n_prog`` items walked forward and backward by turns, so that along a heavy-first list every
+    program's items add up to about the same work (a plain stride gives the first programs the
+    heaviest item of every round). One round when each program has its own item."""
+    pid = gl.program_id(0)
+    return i * n_prog + gl.where(i % 2 == 0, pid, n_prog - 1 - pid)
