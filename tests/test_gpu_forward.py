@@ -523,3 +523,19 @@ def test_fuzz_hopper_kernel(config):
     """
     _fuzz(4321, 300, [1, 17, 64, 129, 300, 513, 1000], [1, 31, 128, 255, 640, 1001],
           [(64, 64), (128, 128), (96, 96), (64, 128), (80, 80)], 8, config=config)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random"])
+def test_hopper_persistent_grid_is_bitwise_the_same(kind):
+    """One program per SM walking several work items gives the same bits as one program per item.
+
+    8191 rows in 128-row blocks over 8 query heads are more work items than the H200's SMs, so each
+    program of the persistent grid takes several, in the zig-zag order.
+    """
+    T = 8191
+    q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=11)
+    qr, kr, mt = _mask(kind, T, 4)
+    one, lse_one = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pp_m128_n128_w4_s3")
+    many, lse_many = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90ppp_m128_n128_w4_s3")
+    assert torch.equal(one, many) and torch.equal(lse_one, lse_many)
