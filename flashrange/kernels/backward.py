@@ -590,7 +590,8 @@ def range_attention_backward_triton(
                 try:
                     ensure_tma_allocator()
                     # The Triton kernel below (a fallback) keeps the full grid.
-                    gluon_grid = (min(grid[0], sm_count(dev.index)),) if cfg.persistent else grid
+                    persistent = cfg.persistent and dev.type == "cuda"
+                    gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
                     launch(_gluon_kernel(name), gluon_grid, args + (stages, 4), num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
