@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
+from .sm90_common import issue_bounded, load_slice, nth_work, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -75,7 +75,6 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    TILE_BYTES: gl.constexpr = BLOCK_M * (BLOCK_D + BLOCK_DV) * 2
     hk = pid_hk.to(gl.int64)
     # Both consumers are done with the previous item's K and V (a fresh barrier passes phase 1);
     # those loads landed before they were used, so the descriptors can be rewritten.
@@ -95,27 +94,13 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
         qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
         # Rows at or past m_hi read as zeros.
         if n_pairs % 2 == 0:
-            wait_tiles_landed(ready, last_a, it, STAGES)
-            q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
-                                                strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
-                                                layout=d_layout)
-            do_desc = tma.make_tensor_descriptor(do_ptr + h * stride_doh, shape=[gl.maximum(m_hi, 1), DV],
-                                                 strides=[stride_dot, 1], block_shape=[BLOCK_M, BLOCK_DV],
-                                                 layout=dv_layout)
-            issue_tiles(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
-                        STAGES)
-            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+            last_a = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt, stride_dot,
+                                   q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_a, BLOCK_M, BLOCK_D,
+                                   BLOCK_DV, STAGES)
         else:
-            wait_tiles_landed(ready, last_b, it, STAGES)
-            q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[gl.maximum(m_hi, 1), D],
-                                                strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D],
-                                                layout=d_layout)
-            do_desc = tma.make_tensor_descriptor(do_ptr + h * stride_doh, shape=[gl.maximum(m_hi, 1), DV],
-                                                 strides=[stride_dot, 1], block_shape=[BLOCK_M, BLOCK_DV],
-                                                 layout=dv_layout)
-            issue_tiles(q_desc, do_desc, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, BLOCK_M, TILE_BYTES,
-                        STAGES)
-            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+            last_b = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt, stride_dot,
+                                   q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_b, BLOCK_M, BLOCK_D,
+                                   BLOCK_DV, STAGES)
         it += n_tiles
         n_pairs += 1
     return it, n_pairs, last_a, last_b
@@ -360,8 +345,6 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, BL
     pid_h, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
-    dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    TILE_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
     h = pid_h.to(gl.int64)
     hk = (pid_h // G).to(gl.int64)
     # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1).
@@ -376,27 +359,13 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, BL
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
         # Keys at or past the slice's end read as zeros.
         if n_sl % 2 == 0:
-            wait_tiles_landed(ready, last_a, it, STAGES)
-            k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
-                                                strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
-                                                layout=d_layout)
-            v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[gl.maximum(ke, 1), DV],
-                                                strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV],
-                                                layout=dv_layout)
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
-                        STAGES)
-            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+            last_a = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt, stride_vt,
+                                   k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                   STAGES)
         else:
-            wait_tiles_landed(ready, last_b, it, STAGES)
-            k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[gl.maximum(ke, 1), D],
-                                                strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D],
-                                                layout=d_layout)
-            v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[gl.maximum(ke, 1), DV],
-                                                strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV],
-                                                layout=dv_layout)
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, BLOCK_N, TILE_BYTES,
-                        STAGES)
-            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+            last_b = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt, stride_vt,
+                                   k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                   STAGES)
         it += n_tiles
         n_sl += 1
     return it, n_sl, last_a, last_b

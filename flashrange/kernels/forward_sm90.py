@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
-from .sm90_common import issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
+from .sm90_common import bounded_desc, issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -81,6 +81,18 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
+def _issue_slice(k_desc, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, last,
+                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
+    """One slice's K/V tiles through one call site's value descriptor (``sm90_common.issue_bounded``, with the
+    item's key descriptor): returns the last tile through this call site."""
+    wait_tiles_landed(ready, last, it, STAGES)
+    v_desc = bounded_desc(v_base, ke, DV, stride_vt, BLOCK_N, BLOCK_DV)
+    issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N,
+                BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
+    return gl.where(n_tiles > 0, it + n_tiles - 1, last)
+
+
+@gluon.jit
 def _produce_work(
     ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -96,8 +108,6 @@ def _produce_work(
     pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    KV_BYTES: gl.constexpr = BLOCK_N * (BLOCK_D + BLOCK_DV) * 2
     # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1);
     # those loads landed before they were used, so the query descriptor can be rewritten.
     for j in gl.static_range(2):
@@ -119,17 +129,11 @@ def _produce_work(
         # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
         # slice covers cannot reach P @ V through a p of 0.
         if n_sl % 2 == 0:
-            wait_tiles_landed(ready, last_a, it, STAGES)
-            v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
-                                                block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES, STAGES)
-            last_a = gl.where(n_tiles > 0, it + n_tiles - 1, last_a)
+            last_a = _issue_slice(k_desc, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo,
+                                  last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
         else:
-            wait_tiles_landed(ready, last_b, it, STAGES)
-            v_desc = tma.make_tensor_descriptor(v_base, shape=[gl.maximum(ke, 1), DV], strides=[stride_vt, 1],
-                                                block_shape=[BLOCK_N, BLOCK_DV], layout=v_layout)
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N, KV_BYTES, STAGES)
-            last_b = gl.where(n_tiles > 0, it + n_tiles - 1, last_b)
+            last_b = _issue_slice(k_desc, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo,
+                                  last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
         it += n_tiles
         n_sl += 1
     return it, n_sl, last_a, last_b

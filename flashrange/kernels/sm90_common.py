@@ -8,7 +8,9 @@ rewriting the slot while an earlier load through it is in flight can make that
 load use the next slice's bounds. So the producers keep two call sites used by
 turns (every other slice) and, before rewriting one, wait until every tile
 loaded through it has landed (:func:`wait_tiles_landed`); with a slice between
-the two uses that wait is almost always already satisfied.
+the two uses that wait is almost always already satisfied. :func:`issue_bounded`
+is one slice's step (wait, descriptors, loads); a producer calls it from two
+places, and Triton inlines each call with its own scratch slot.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["issue_tiles", "load_slice", "nth_work", "tma_load", "wait_tiles_landed"]
+__all__ = ["bounded_desc", "issue_bounded", "issue_tiles", "load_slice", "nth_work", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -54,6 +56,34 @@ def issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start
         r = start + t * BLOCK
         tma_load(a_desc, [r, 0], bar, a_smem.index(slot))
         tma_load(b_desc, [r, 0], bar, b_smem.index(slot))
+
+
+@gluon.jit
+def bounded_desc(base, end, cols, stride, BLOCK: gl.constexpr, BLOCK_C: gl.constexpr):
+    """A TMA descriptor of ``BLOCK x BLOCK_C`` tiles over the rows of ``base`` below ``end`` (2-byte
+    elements, ``cols`` of them per row): tiles running past ``end`` read zeros there."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_C * 2, 128), element_bitwidth=16)
+    return tma.make_tensor_descriptor(base, shape=[gl.maximum(end, 1), cols], strides=[stride, 1],
+                                      block_shape=[BLOCK, BLOCK_C], layout=layout)
+
+
+@gluon.jit
+def issue_bounded(a_base, b_base, end, a_cols, b_cols, a_stride, b_stride, a_smem, b_smem, ready, empty, it, n_tiles,
+                  start, last, BLOCK: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """One slice's loads through one call site's descriptors: once every tile loaded through them may
+    have landed (``last``), descriptors of two tensors bounded at row ``end``, then ``n_tiles`` tiles from
+    row ``start`` into ring tiles from ``it``. Returns the last tile through this call site.
+
+    Each call is its own call site (its own descriptor scratch): a producer calls this from two places
+    by turns, so that one site is rewritten while the other's loads are in flight.
+    """
+    wait_tiles_landed(ready, last, it, STAGES)
+    a_desc = bounded_desc(a_base, end, a_cols, a_stride, BLOCK, BLOCK_A)
+    b_desc = bounded_desc(b_base, end, b_cols, b_stride, BLOCK, BLOCK_B)
+    issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, BLOCK, BLOCK * (BLOCK_A + BLOCK_B) * 2,
+                STAGES)
+    return gl.where(n_tiles > 0, it + n_tiles - 1, last)
 
 
 @gluon.jit
