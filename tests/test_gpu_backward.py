@@ -474,3 +474,31 @@ def test_gluon_backward_persistent_grid_is_bitwise_the_same():
                                           config=_gluon_config(128, 128, torch.bfloat16, persistent=True))
     for a, b in zip((dq, dk, dv), got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["docs", "short"])
+def test_gluon_backward_packed_heads_is_bitwise_the_same(kind):
+    """Heads side by side in each row (one descriptor per tensor, bounded ones only where a slice's last
+    tile runs past its end) give the bits of per-head descriptors bounded at every slice's end."""
+    from flashrange.kernels.common import packed_heads
+
+    def unpacked(t):
+        wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 64, dtype=t.dtype, device=t.device)
+        wide[..., : t.shape[2]] = t
+        return wide[..., : t.shape[2]]
+
+    T = 4099
+    if kind == "docs":
+        rows = _docs(T, 23, 4) + [(100, 3000, 50, 2900, FULL), (3000, 4099, 3000, 4000, INV_CAUSAL)]
+    else:
+        rows = short_slice_rows(T, T, 300, random.Random(4))
+    cfg = _gluon_config(128, 128, torch.bfloat16, persistent=True)
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(T, T, 8, 2, 128, 128, rows, torch.bfloat16,
+                                                                         seed=6, golden=False, config=cfg)
+    assert packed_heads(q, k, v, do)
+    args = [unpacked(t) for t in (do, q, k, v)]
+    assert not packed_heads(*args)
+    got = range_attention_backward_triton(*args, out, lse, qr, kr, mt, None, 0.0, dlse, config=cfg)
+    for a, b in zip((dq, dk, dv), got):
+        assert torch.equal(a, b)

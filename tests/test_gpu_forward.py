@@ -410,21 +410,21 @@ _HOPPER = torch.cuda.get_device_capability()[0] == 9
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel is the default on compute capability 9 only")
 def test_hopper_kernel_is_the_default_and_builds():
-    """On Hopper, 2-byte dtypes at head dims up to 128 (over 64) take the Gluon kernel, and it builds: no
+    """On Hopper, 2-byte dtypes at head dims padded to 64 or 128 take the Gluon kernel, and it builds: no
     fallback warning."""
     import warnings
 
-    for D, Dv in ((128, 128), (96, 96), (64, 128)):
+    for D, Dv in ((128, 128), (96, 96), (64, 128), (64, 64), (48, 64)):
         for dtype in (torch.bfloat16, torch.float16):
             assert default_config(D, Dv, dtype).gluon, (D, Dv, dtype)
-    assert not default_config(64, 64, torch.bfloat16).gluon
+    assert not default_config(32, 32, torch.bfloat16).gluon
     assert not default_config(128, 128, torch.float32).gluon
     assert not default_config(256, 256, torch.bfloat16).gluon
     T = 4099
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for D, dtype, kind, softcap in ((128, torch.bfloat16, "causal", 0.0), (96, torch.float16, "full", 20.0),
-                                        (128, torch.float16, "window", 0.0)):
+                                        (128, torch.float16, "window", 0.0), (64, torch.bfloat16, "doc16", 0.0)):
             q, k, v = make_qkv(T, T, 4, 2, D, D, dtype, DEV, seed=D + 1)
             qr, kr, mt = _mask(kind, T, 3)
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
@@ -432,6 +432,7 @@ def test_hopper_kernel_is_the_default_and_builds():
     assert default_config(128, 128, torch.bfloat16).gluon
     # One program per SM walks the work items (docs/design.md, "The Hopper forward").
     assert default_config(128, 128, torch.bfloat16).persistent
+    assert default_config(64, 64, torch.bfloat16).persistent
 
 
 class _Unbuildable:
@@ -539,3 +540,34 @@ def test_hopper_persistent_grid_is_bitwise_the_same(kind):
     one, lse_one = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pp_m128_n128_w4_s3")
     many, lse_many = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90ppp_m128_n128_w4_s3")
     assert torch.equal(one, many) and torch.equal(lse_one, lse_many)
+
+
+def _unpacked(t):
+    """``t``'s values in a view whose heads are not side by side in a row (each head padded by 64
+    columns): the kernels then take per-head descriptors, not one over ``(T, H * D)``."""
+    wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 64, dtype=t.dtype, device=t.device)
+    wide[..., : t.shape[2]] = t
+    return wide[..., : t.shape[2]]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
+def test_hopper_packed_heads_is_bitwise_the_same(kind):
+    """Heads side by side in each row (one descriptor per tensor, bounded ones only where a slice's last
+    tile runs past its end) give the bits of per-head descriptors bounded at every slice's end."""
+    from flashrange.kernels.common import packed_heads
+
+    T = 4099
+    q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=13)
+    if kind == "short":
+        rows = short_slice_rows(T, T, 300, random.Random(3))
+        qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
+                                                                    [r[4] for r in rows]))
+    else:
+        qr, kr, mt = _mask(kind, T, 5)
+    qu, ku, vu = _unpacked(q), _unpacked(k), _unpacked(v)
+    assert packed_heads(q, k, v) and not packed_heads(qu, ku, vu)
+    out, lse = _run(q, k, v, qr, kr, mt, 128 ** -0.5)
+    out_u, lse_u = _run(qu, ku, vu, qr, kr, mt, 128 ** -0.5)
+    assert torch.equal(out, out_u) and torch.equal(lse, lse_u)
+    check_three_way(q, k, v, qr.to(DEV), kr.to(DEV), mt.to(DEV), 128 ** -0.5, 0.0, out, lse)

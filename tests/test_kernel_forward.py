@@ -282,6 +282,34 @@ def test_strided_views():
     check_three_way(q, k, v, qr, kr, mt, 0.25, 0.0, out, lse)
 
 
+@pytest.mark.parametrize(
+    "shape,view,packed",
+    [
+        pytest.param((5, 3, 128), None, True, id="contiguous-d128"),
+        pytest.param((5, 3, 64), None, True, id="contiguous-d64"),
+        pytest.param((5, 1, 128), None, True, id="one-head"),
+        pytest.param((5, 3, 96), None, False, id="d96-padded-tile"),
+        pytest.param((5, 3, 192), "first-128", False, id="heads-padded-in-row"),
+        pytest.param((5, 3 * 3, 128), "q-of-qkv", True, id="q-of-fused-qkv"),
+        pytest.param((5, 3, 128), "head-major", False, id="head-major"),
+    ],
+)
+def test_packed_heads(shape, view, packed):
+    """Which layouts the Hopper kernels read through one descriptor over ``(T, H * D)``: each row holds the
+    heads side by side, ``D`` wide, with ``D`` a tile width."""
+    from flashrange.kernels.common import packed_heads
+
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    if view == "first-128":
+        t = t[..., :128]
+    elif view == "q-of-qkv":
+        t = t[:, :3]  # rows of 3 * H heads: q's heads are side by side, the row stride is 3 * H * D
+    elif view == "head-major":
+        t = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert packed_heads(t) is packed
+    assert packed_heads(torch.empty(5, 3, 128, dtype=torch.bfloat16), t) is packed
+
+
 # ---------------------------------------------------------------------------------------------
 # The unmasked fast path, zero-length inputs, the many-slice plan
 

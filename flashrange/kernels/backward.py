@@ -48,6 +48,7 @@ from .common import (
     launch,
     needs_int64,
     pad_dim,
+    packed_heads,
     plan_program,
     plan_split,
     query_span,
@@ -592,7 +593,9 @@ def range_attention_backward_triton(
                     # The Triton kernel below (a fallback) keeps the full grid.
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
-                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4), num_warps=4, maxnreg=WS_MAXNREG)
+                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS
+                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4, packed_heads(q, k, v, dout)),
+                           num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
                     if config is not None:

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import issue_bounded, load_slice, nth_work, tma_load
+from .sm90_common import bounded_desc, issue_bounded, issue_tiles, load_slice, nth_work, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -61,12 +61,14 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
 
 
 @gluon.jit
-def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_b, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
+def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_b, packed, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+                       HAS_PACKED_HEADS: gl.constexpr):
     """Loads of one work item: the key block's K and V halves, then every (slice, query head) pair's q and
-    dO tiles into ring tiles from ``it``. ``n_pairs`` counts pairs so far (the descriptors' call site
-    alternates), ``wi`` items so far; ``last_a`` / ``last_b`` is the last tile through each pair of
-    descriptors. Returns them advanced."""
+    dO tiles into ring tiles from ``it``. ``n_pairs`` counts bounded pairs so far (the descriptors' call
+    site alternates), ``wi`` items so far; ``last_a`` / ``last_b`` is the last tile through each pair of
+    descriptors. Returns them advanced. ``packed``: the program's k, v, q, dO descriptors over
+    ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
@@ -80,38 +82,61 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
     # those loads landed before they were used, so the descriptors can be rewritten.
     for j in gl.static_range(2):
         mbarrier.wait(kv_free.index(j), (wi & 1) ^ 1)
-    k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[Tk, D], strides=[stride_kt, 1],
-                                        block_shape=[HALF, BLOCK_D], layout=d_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[Tk, DV], strides=[stride_vt, 1],
-                                        block_shape=[HALF, BLOCK_DV], layout=dv_layout)
+    if HAS_PACKED_HEADS:
+        k_desc, v_desc, q_all, do_all = packed
+        k_col = pid_hk * BLOCK_D
+        v_col = pid_hk * BLOCK_DV
+    else:
+        k_desc = tma.make_tensor_descriptor(k_ptr + hk * stride_kh, shape=[Tk, D], strides=[stride_kt, 1],
+                                            block_shape=[HALF, BLOCK_D], layout=d_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr + hk * stride_vh, shape=[Tk, DV], strides=[stride_vt, 1],
+                                            block_shape=[HALF, BLOCK_DV], layout=dv_layout)
+        k_col = 0
+        v_col = 0
     for j in gl.static_range(2):
         mbarrier.expect(kv_ready.index(j), HALF * (BLOCK_D + BLOCK_DV) * 2)
-        tma_load(k_desc, [c0 + j * HALF, 0], kv_ready.index(j), k_smem.index(j))
-        tma_load(v_desc, [c0 + j * HALF, 0], kv_ready.index(j), v_smem.index(j))
+        tma_load(k_desc, [c0 + j * HALF, k_col], kv_ready.index(j), k_smem.index(j))
+        tma_load(v_desc, [c0 + j * HALF, v_col], kv_ready.index(j), v_smem.index(j))
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
-        h = (pid_hk * G + sg - s * G).to(gl.int64)
+        h32 = pid_hk * G + sg - s * G
+        h = h32.to(gl.int64)
         qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
-        # Rows at or past m_hi read as zeros.
-        if n_pairs % 2 == 0:
-            last_a = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt, stride_dot,
-                                   q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_a, BLOCK_M, BLOCK_D,
-                                   BLOCK_DV, STAGES)
+        # Rows at or past m_hi read as zeros; tiles that end before m_hi need no bound.
+        if HAS_PACKED_HEADS and (m_lo + n_tiles * BLOCK_M <= m_hi):
+            issue_tiles(q_all, do_all, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, h32 * BLOCK_D, h32 * BLOCK_DV,
+                        BLOCK_M, BLOCK_M * (BLOCK_D + BLOCK_DV) * 2, STAGES)
         else:
-            last_b = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt, stride_dot,
-                                   q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_b, BLOCK_M, BLOCK_D,
-                                   BLOCK_DV, STAGES)
+            if n_pairs % 2 == 0:
+                last_a = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt,
+                                       stride_dot, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_a, BLOCK_M,
+                                       BLOCK_D, BLOCK_DV, STAGES)
+            else:
+                last_b = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt,
+                                       stride_dot, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_b, BLOCK_M,
+                                       BLOCK_D, BLOCK_DV, STAGES)
+            n_pairs += 1
         it += n_tiles
-        n_pairs += 1
     return it, n_pairs, last_a, last_b
 
 
 @gluon.jit
 def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+              HAS_PACKED_HEADS: gl.constexpr):
+    q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
-    Tk, Hkv = scalars[1], scalars[3]
+    Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
+    stride_qt, stride_kt, stride_vt, stride_dot = scalars[7], scalars[9], scalars[11], scalars[13]
     n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
+    if HAS_PACKED_HEADS:
+        # One descriptor per tensor for the whole program (sm90_common); the head is a column.
+        packed = (bounded_desc(k_ptr, Tk, Hkv * BLOCK_D, stride_kt, BLOCK_N // 2, BLOCK_D),
+                  bounded_desc(v_ptr, Tk, Hkv * BLOCK_DV, stride_vt, BLOCK_N // 2, BLOCK_DV),
+                  bounded_desc(q_ptr, Tq, Hq * BLOCK_D, stride_qt, BLOCK_M, BLOCK_D),
+                  bounded_desc(do_ptr, Tq, Hq * BLOCK_DV, stride_dot, BLOCK_M, BLOCK_DV))
+    else:
+        packed = (0, 0, 0, 0)
     it = 0
     n_pairs = 0
     wi = 0
@@ -126,7 +151,8 @@ def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
         if w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a,
-                                                             last_b, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+                                                             last_b, packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                                             STAGES, HAS_PACKED_HEADS)
             wi += 1
 
 
@@ -270,7 +296,8 @@ def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
 
 @gluon.jit
 def _consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
+                BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+                HAS_PACKED_HEADS: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 1)
 
@@ -286,11 +313,13 @@ def bwd_dkdv_sm90_kernel(
     HAS_SOFTCAP: gl.constexpr, IS_INT64: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
-    """The Triton dK/dV kernel's parameters, plus ``STAGES`` and ``NUM_WARPS``; launched with 4 warps (the
-    first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the
-    Triton kernel's grid each program owns one work item; on a smaller (persistent) grid each walks several."""
+    """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` and ``HAS_PACKED_HEADS`` (each row
+    of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
+    program, sm90_common); launched with 4 warps (the first consumer) plus a 4-warp and a 1-warp worker,
+    under a register cap the partitions split. On the Triton kernel's grid each program owns one work item;
+    on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -319,8 +348,10 @@ def bwd_dkdv_sm90_kernel(
                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
     gl.warp_specialize([
         (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 0)),
-        (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
-        (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES)),
+        (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+                       HAS_PACKED_HEADS)),
+        (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+                     HAS_PACKED_HEADS)),
     ], [4, 1], [240, 24])
 
 
@@ -333,10 +364,11 @@ def bwd_dkdv_sm90_kernel(
 
 
 @gluon.jit
-def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
+def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+                     HAS_PACKED_HEADS: gl.constexpr):
     """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``
-    (counters as in ``_produce_dkdv_work``)."""
+    (counters and ``packed``, the q, k, v descriptors, as in ``_produce_dkdv_work``)."""
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr, order_ptrs = ptrs
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty = smem
     (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -350,34 +382,52 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, BL
     # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1).
     for j in gl.static_range(2):
         mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
-    q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[Tq, D], strides=[stride_qt, 1],
-                                        block_shape=[HALF, BLOCK_D], layout=d_layout)
+    if HAS_PACKED_HEADS:
+        q_desc, k_all, v_all = packed
+        q_col = pid_h * BLOCK_D
+    else:
+        q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[Tq, D], strides=[stride_qt, 1],
+                                            block_shape=[HALF, BLOCK_D], layout=d_layout)
+        q_col = 0
     for j in gl.static_range(2):
         mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
-        tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
+        tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(j), q_smem.index(j))
     for s in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
-        # Keys at or past the slice's end read as zeros.
-        if n_sl % 2 == 0:
-            last_a = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt, stride_vt,
-                                   k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                   STAGES)
+        # Keys at or past the slice's end read as zeros; tiles that end inside the slice need no bound.
+        if HAS_PACKED_HEADS and (n_lo + n_tiles * BLOCK_N <= ke):
+            issue_tiles(k_all, v_all, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, (pid_h // G) * BLOCK_D,
+                        (pid_h // G) * BLOCK_DV,
+                        BLOCK_N, BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
         else:
-            last_b = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt, stride_vt,
-                                   k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                   STAGES)
+            if n_sl % 2 == 0:
+                last_a = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt,
+                                       stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_a, BLOCK_N,
+                                       BLOCK_D, BLOCK_DV, STAGES)
+            else:
+                last_b = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt,
+                                       stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_b, BLOCK_N,
+                                       BLOCK_D, BLOCK_DV, STAGES)
+            n_sl += 1
         it += n_tiles
-        n_sl += 1
     return it, n_sl, last_a, last_b
 
 
 @gluon.jit
 def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+    q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
-    Tq, Hq = scalars[0], scalars[2]
+    Tq, Tk, Hq, G = scalars[0], scalars[1], scalars[2], scalars[3]
+    stride_qt, stride_kt, stride_vt = scalars[6], scalars[8], scalars[10]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
+    if HAS_PACKED_HEADS:
+        packed = (bounded_desc(q_ptr, Tq, Hq * BLOCK_D, stride_qt, BLOCK_M // 2, BLOCK_D),
+                  bounded_desc(k_ptr, Tk, (Hq // G) * BLOCK_D, stride_kt, BLOCK_N, BLOCK_D),
+                  bounded_desc(v_ptr, Tk, (Hq // G) * BLOCK_DV, stride_vt, BLOCK_N, BLOCK_DV))
+    else:
+        packed = (0, 0, 0)
     it = 0
     n_sl = 0
     wi = 0
@@ -390,7 +440,8 @@ def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr
         if w < n_work:
             work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
             it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b,
-                                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+                                                        packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                        HAS_PACKED_HEADS)
             wi += 1
 
 
@@ -541,7 +592,7 @@ def _dq_consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr
 @gluon.jit
 def _dq_consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
     _dq_consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 1)
 
 
@@ -558,10 +609,11 @@ def bwd_dq_sm90_kernel(
     IS_BF16_EMULATED: gl.constexpr,
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
-    """The Triton dQ kernel's parameters, plus ``STAGES`` and ``NUM_WARPS`` (``BLOCK_M`` = 128); on its grid
-    each program owns one work item, on a smaller (persistent) grid each walks several."""
+    """The Triton dQ kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` (``BLOCK_M`` = 128) and
+    ``HAS_PACKED_HEADS`` (q, k and v, as in the dK/dV kernel); on its grid each program owns one work
+    item, on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -591,7 +643,7 @@ def bwd_dq_sm90_kernel(
         (_dq_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
                         STAGES, 0)),
         (_dq_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                          STAGES)),
+                          STAGES, HAS_PACKED_HEADS)),
         (_dq_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                        STAGES)),
+                        STAGES, HAS_PACKED_HEADS)),
     ], [4, 1], [240, 24])

@@ -50,6 +50,7 @@ __all__ = [
     "run_compiled",
     "fast_launch_enabled",
     "pad_dim",
+    "packed_heads",
     "needs_int64",
     "plan_split",
     "sm_count",
@@ -214,6 +215,13 @@ def interpreting() -> bool:
 def pad_dim(d: int) -> int:
     """Head dim padded to the power of two a tile holds (at least 16, the smallest dot)."""
     return max(16, triton.next_power_of_2(d))
+
+
+def packed_heads(*tensors: torch.Tensor) -> bool:
+    """Whether each row of every ``(T, H, X)`` tensor holds its heads side by side, ``X`` wide, with ``X``
+    a tile width (``pad_dim(X) == X``): a Hopper kernel then reads any head through one descriptor over
+    ``(T, H * X)`` (``sm90_common``)."""
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] == pad_dim(t.shape[2]) for t in tensors)
 
 
 def needs_int64(*tensors) -> bool:

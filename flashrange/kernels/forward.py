@@ -56,6 +56,7 @@ from .common import (
     launch,
     needs_int64,
     pad_dim,
+    packed_heads,
     plan_program,
     plan_split,
     run_compiled,
@@ -364,9 +365,11 @@ _DEFAULTS = {
 }
 
 
-# On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim; the
-# Triton kernel stays faster at head dim 64 (BENCHMARKS.md, fifth session).
+# On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim. At head
+# dim 64 the one-program-per-item Gluon kernel lost to the Triton kernel (BENCHMARKS.md,
+# fifth session); the persistent one wins (eighth session).
 _SM90_DEFAULTS = {
+    64: "sm90ppp_m128_n128_w4_s3",
     128: "sm90ppp_m128_n128_w4_s3",
 }
 
@@ -683,7 +686,8 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
-        args = args + (config.num_stages, config.num_warps, config.pingpong)  # STAGES, NUM_WARPS, IS_PINGPONG
+        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS
+        args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v))
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)

@@ -81,26 +81,27 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _issue_slice(k_desc, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, last,
+def _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, last,
                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
     """One slice's K/V tiles through one call site's value descriptor (``sm90_common.issue_bounded``, with the
-    item's key descriptor): returns the last tile through this call site."""
+    key descriptor, head at column ``k_col``): returns the last tile through this call site."""
     wait_tiles_landed(ready, last, it, STAGES)
     v_desc = bounded_desc(v_base, ke, DV, stride_vt, BLOCK_N, BLOCK_DV)
-    issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, BLOCK_N,
+    issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, 0, BLOCK_N,
                 BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
     return gl.where(n_tiles > 0, it + n_tiles - 1, last)
 
 
 @gluon.jit
 def _produce_work(
-    ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b,
+    ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
     """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``.
-    ``n_sl`` counts slices so far (the value descriptor's call site alternates), ``wi`` items so far;
-    ``last_a`` / ``last_b`` is the last tile through each value descriptor. Returns them advanced."""
+    ``n_sl`` counts bounded slices so far (the value descriptor's call site alternates), ``wi`` items so
+    far; ``last_a`` / ``last_b`` is the last tile through each value descriptor. Returns them advanced.
+    ``packed``: the program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -112,30 +113,43 @@ def _produce_work(
     # those loads landed before they were used, so the query descriptor can be rewritten.
     for j in gl.static_range(2):
         mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
-    q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
-                                        strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
+    if HAS_PACKED_HEADS:
+        q_desc, k_desc, v_desc = packed
+        q_col = pid_h * D
+        k_col = pid_kvh * D
+        v_col = pid_kvh * DV
+    else:
+        q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
+                                            strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
+        # The key descriptor follows the head: every key tile still in flight lands first.
+        wait_tiles_landed(ready, it - 1, it, STAGES)
+        k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
+                                            strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
+        q_col = 0
+        k_col = 0
     for j in gl.static_range(2):
         mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
-        tma_load(q_desc, [r0 + j * HALF, 0], q_ready.index(j), q_smem.index(j))
-    # The key descriptor follows the head: every key tile still in flight lands first.
-    wait_tiles_landed(ready, it - 1, it, STAGES)
-    k_desc = tma.make_tensor_descriptor(k_ptr + pid_kvh.to(gl.int64) * stride_kh, shape=[Tk, D],
-                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
+        tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(j), q_smem.index(j))
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
     for s_idx in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
                                                                                 BLOCK_N)
         # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
-        # slice covers cannot reach P @ V through a p of 0.
-        if n_sl % 2 == 0:
-            last_a = _issue_slice(k_desc, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo,
-                                  last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+        # slice covers cannot reach P @ V through a p of 0. Tiles that end inside the slice
+        # need no bound.
+        if HAS_PACKED_HEADS and (k_lo + n_tiles * BLOCK_N <= ke):
+            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, v_col, BLOCK_N,
+                        BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
         else:
-            last_b = _issue_slice(k_desc, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo,
-                                  last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            if n_sl % 2 == 0:
+                last_a = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
+                                      n_tiles, k_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            else:
+                last_b = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
+                                      n_tiles, k_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            n_sl += 1
         it += n_tiles
-        n_sl += 1
     return it, n_sl, last_a, last_b
 
 
@@ -144,11 +158,20 @@ def _ws_producer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
+    q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
-    Hq, GROUP, Tq = scalars[0], scalars[1], scalars[2]
+    Hq, GROUP, Tq, Tk = scalars[0], scalars[1], scalars[2], scalars[3]
+    stride_qt, stride_kt, stride_vt = scalars[4], scalars[6], scalars[8]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
+    if HAS_PACKED_HEADS:
+        # One descriptor per tensor for the whole program (sm90_common); the head is a column.
+        packed = (bounded_desc(q_ptr, Tq, Hq * D, stride_qt, BLOCK_M // 2, BLOCK_D),
+                  bounded_desc(k_ptr, Tk, (Hq // GROUP) * D, stride_kt, BLOCK_N, BLOCK_D),
+                  bounded_desc(v_ptr, Tk, (Hq // GROUP) * DV, stride_vt, BLOCK_N, BLOCK_DV))
+    else:
+        packed = (0, 0, 0)
     it = 0
     n_sl = 0
     wi = 0
@@ -162,8 +185,9 @@ def _ws_producer(
         # The last round is short: some programs have no item in it.
         if w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, D, DV,
-                                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed,
+                                                     D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                     HAS_PACKED_HEADS)
             wi += 1
 
 
@@ -331,7 +355,7 @@ def _ws_consumer_1(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
@@ -354,10 +378,12 @@ def range_attn_fwd_sm90_ws_kernel(
     HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, IS_TMA: gl.constexpr,
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
-    """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS`` and
-    ``IS_PINGPONG`` (the consumers take turns issuing their matmuls).
+    """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
+    ``IS_PINGPONG`` (the consumers take turns issuing their matmuls) and ``HAS_PACKED_HEADS`` (each row
+    of q, k and v holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
+    program, sm90_common).
 
     Launched with 4 warps (the first consumer; a 4-warp and a 1-warp worker are
     added) and a register cap that the partitions split. ``IS_TMA``,
@@ -395,7 +421,7 @@ def range_attn_fwd_sm90_ws_kernel(
         (_ws_consumer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG)),
+                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS)),
         (_ws_producer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS)),
     ], [4, 1], [240, 24])

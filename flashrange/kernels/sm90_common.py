@@ -11,6 +11,14 @@ loaded through it has landed (:func:`wait_tiles_landed`); with a slice between
 the two uses that wait is almost always already satisfied. :func:`issue_bounded`
 is one slice's step (wait, descriptors, loads); a producer calls it from two
 places, and Triton inlines each call with its own scratch slot.
+
+Writing a descriptor costs the producer a global store and a proxy fence, and
+the rewrite waits for loads in flight. When each row of a tensor holds its heads
+side by side, ``D`` wide (``HAS_PACKED_HEADS``), a producer instead builds one
+descriptor per tensor over ``(T, H * D)`` once per program and picks the head by
+column; only a slice whose last tile runs past its end still takes a bounded
+descriptor. The other slices' tiles read the same values through either, so the
+results are the same bits.
 """
 
 from __future__ import annotations
@@ -42,10 +50,10 @@ def wait_tiles_landed(ready, last, it, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, BLOCK: gl.constexpr,
+def issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, a_col, b_col, BLOCK: gl.constexpr,
                 TILE_BYTES: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of one slice's ``n_tiles`` tiles of two tensors (K and V, or q and dO) from row ``start``,
-    into ring tiles ``it, it + 1, ...``."""
+    """TMA loads of one slice's ``n_tiles`` tiles of two tensors (K and V, or q and dO) from row ``start``
+    (columns from ``a_col`` / ``b_col``), into ring tiles ``it, it + 1, ...``."""
     for t in range(n_tiles):
         cur = it + t
         slot = cur % STAGES
@@ -54,8 +62,8 @@ def issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start
         bar = ready.index(slot)
         mbarrier.expect(bar, TILE_BYTES)
         r = start + t * BLOCK
-        tma_load(a_desc, [r, 0], bar, a_smem.index(slot))
-        tma_load(b_desc, [r, 0], bar, b_smem.index(slot))
+        tma_load(a_desc, [r, a_col], bar, a_smem.index(slot))
+        tma_load(b_desc, [r, b_col], bar, b_smem.index(slot))
 
 
 @gluon.jit
@@ -81,8 +89,8 @@ def issue_bounded(a_base, b_base, end, a_cols, b_cols, a_stride, b_stride, a_sme
     wait_tiles_landed(ready, last, it, STAGES)
     a_desc = bounded_desc(a_base, end, a_cols, a_stride, BLOCK, BLOCK_A)
     b_desc = bounded_desc(b_base, end, b_cols, b_stride, BLOCK, BLOCK_B)
-    issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, BLOCK, BLOCK * (BLOCK_A + BLOCK_B) * 2,
-                STAGES)
+    issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, 0, 0, BLOCK,
+                BLOCK * (BLOCK_A + BLOCK_B) * 2, STAGES)
     return gl.where(n_tiles > 0, it + n_tiles - 1, last)
 
 
