@@ -263,3 +263,40 @@ def assert_sink_three_way(got, ref, gold, dsink_atol):
     eps = torch.finfo(grads[0].dtype).eps
     err, err_ref = (grads[3].double() - gold_grads[3]).abs(), (ref_grads[3].double() - gold_grads[3]).abs()
     assert (err <= 2 * err_ref + eps * gold_grads[3].abs() + dsink_atol).all(), f"dsink {err} vs reference {err_ref}"
+
+
+def packed_document_rows(kind, Tq, Tk, rng):
+    """Slices ``(qs, qe, ks, ke, type)`` of packed documents, the masks whose query blocks hold several
+    short slices side by side (docs/design.md, "Merged tiles"):
+
+    - ``tiny``: causal documents of 1 to 40 tokens (queries and keys the same ranges);
+    - ``mixed``: documents of 1 to 150 tokens, each of a random type;
+    - ``cross``: as many query documents as key documents, lengths drawn apart (FULL or CAUSAL);
+    - ``gapped``: tiny documents whose keys skip their first token now and then (keys no slice covers);
+    - ``holes``: tiny documents, every fifth left out (rows and keys no slice covers).
+    """
+
+    def cuts(T, lo, hi):
+        b = [0]
+        while b[-1] < T:
+            b.append(min(T, b[-1] + rng.randint(lo, hi)))
+        return b
+
+    rows = []
+    if kind == "cross":
+        n = max(2, Tq // 60)
+        qb = sorted(rng.sample(range(1, Tq), n - 1))
+        kb = sorted(rng.sample(range(1, Tk), n - 1))
+        qb, kb = [0] + qb + [Tq], [0] + kb + [Tk]
+        for i in range(n):
+            rows.append((qb[i], qb[i + 1], kb[i], kb[i + 1], rng.choice([0, 1])))
+        return rows
+    b = cuts(min(Tq, Tk), 1, 150 if kind == "mixed" else 40)
+    for i in range(len(b) - 1):
+        qs, qe = b[i], b[i + 1]
+        if kind == "holes" and i % 5 == 4:
+            continue
+        ks = qs + 1 if (kind == "gapped" and qe - qs > 1 and rng.random() < 0.3) else qs
+        mtype = rng.randrange(4) if kind == "mixed" else 1
+        rows.append((qs, qe, ks, qe, mtype))
+    return rows

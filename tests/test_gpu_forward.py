@@ -28,7 +28,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     default_config,
     range_attention_forward_triton,
 )
-from golden import short_slice_rows  # noqa: E402
+from golden import dense_counts, packed_document_rows, short_slice_rows  # noqa: E402
 from test_kernel_forward import (  # noqa: E402
     BI_CAUSAL,
     CAUSAL,
@@ -410,21 +410,21 @@ _HOPPER = torch.cuda.get_device_capability()[0] == 9
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel is the default on compute capability 9 only")
 def test_hopper_kernel_is_the_default_and_builds():
-    """On Hopper, 2-byte dtypes at head dims padded to 64 or 128 take the Gluon kernel, and it builds: no
+    """On Hopper, 2-byte dtypes at head dims up to 128 (over 64) take the Gluon kernel, and it builds: no
     fallback warning."""
     import warnings
 
-    for D, Dv in ((128, 128), (96, 96), (64, 128), (64, 64), (48, 64)):
+    for D, Dv in ((128, 128), (96, 96), (64, 128)):
         for dtype in (torch.bfloat16, torch.float16):
             assert default_config(D, Dv, dtype).gluon, (D, Dv, dtype)
-    assert not default_config(32, 32, torch.bfloat16).gluon
+    assert not default_config(64, 64, torch.bfloat16).gluon
     assert not default_config(128, 128, torch.float32).gluon
     assert not default_config(256, 256, torch.bfloat16).gluon
     T = 4099
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for D, dtype, kind, softcap in ((128, torch.bfloat16, "causal", 0.0), (96, torch.float16, "full", 20.0),
-                                        (128, torch.float16, "window", 0.0), (64, torch.bfloat16, "doc16", 0.0)):
+                                        (128, torch.float16, "window", 0.0)):
             q, k, v = make_qkv(T, T, 4, 2, D, D, dtype, DEV, seed=D + 1)
             qr, kr, mt = _mask(kind, T, 3)
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
@@ -432,7 +432,8 @@ def test_hopper_kernel_is_the_default_and_builds():
     assert default_config(128, 128, torch.bfloat16).gluon
     # One program per SM walks the work items (docs/design.md, "The Hopper forward").
     assert default_config(128, 128, torch.bfloat16).persistent
-    assert default_config(64, 64, torch.bfloat16).persistent
+    # Merged tiles stay opt-in on the GPU: slower on 128 documents in 32k (BENCHMARKS.md, eighth session).
+    assert not default_config(128, 128, torch.bfloat16).merge
 
 
 class _Unbuildable:
@@ -506,7 +507,7 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
         qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
                                                                     [r[4] for r in rows]))
         q, k, v = make_qkv(Tq, Tk, 4, 2, D, D, dtype, DEV, seed=seed)
-        for config in ("sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3"):
+        for config in ("sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3"):
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=config)
             try:
                 check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
@@ -515,7 +516,7 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3"])
+@pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3"])
 def test_fuzz_hopper_kernel(config):
     """300 random masks forced through the Hopper kernel, at the head dims it serves.
 
@@ -571,3 +572,33 @@ def test_hopper_packed_heads_is_bitwise_the_same(kind):
     out_u, lse_u = _run(qu, ku, vu, qr, kr, mt, 128 ** -0.5)
     assert torch.equal(out, out_u) and torch.equal(lse, lse_u)
     check_three_way(q, k, v, qr.to(DEV), kr.to(DEV), mt.to(DEV), 128 ** -0.5, 0.0, out, lse)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])
+def test_hopper_merged_tiles(kind):
+    """Packed short documents through the Hopper kernel with merged tiles (and without): the three-way rule,
+    no NaN from keys no slice covers, the same bits under slice permutations and empty slices; with tiny
+    documents the merged run changes the bits (the path ran)."""
+    rng = random.Random(len(kind) + 1)
+    Tq, Tk = 4099, (3001 if kind == "cross" else 4099)
+    rows = packed_document_rows(kind, Tq, Tk, rng)
+    qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
+                                                                [r[4] for r in rows]))
+    q, k, v = make_qkv(Tq, Tk, 8, 2, 128, 128, torch.bfloat16, DEV, seed=len(rows))
+    uncovered = (dense_counts(qr, kr, mt, Tq, Tk).sum(0) == 0).to(DEV)
+    k[uncovered] = float("nan")
+    v[uncovered] = float("nan")
+    outs = {}
+    for config in ("sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3"):
+        outs[config] = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config=config)
+        check_three_way(q, k, v, qr.to(DEV), kr.to(DEV), mt.to(DEV), 128 ** -0.5, 0.0, *outs[config])
+    merged = outs["sm90pppm_m128_n128_w4_s3"]
+    if kind == "tiny":
+        assert not torch.equal(merged[0], outs["sm90ppp_m128_n128_w4_s3"][0])
+    perm = torch.randperm(qr.shape[0], generator=torch.Generator().manual_seed(2))
+    pad = torch.tensor([[0, 0], [5, 5]], dtype=torch.int32)
+    again = _run(q, k, v, torch.cat([qr[perm], pad]), torch.cat([kr[perm], pad]),
+                 torch.cat([mt[perm], torch.tensor([CAUSAL, FULL], dtype=torch.int32)]), 128 ** -0.5,
+                 config="sm90pppm_m128_n128_w4_s3")
+    assert torch.equal(again[0], merged[0]) and torch.equal(again[1], merged[1])

@@ -23,14 +23,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from flashrange.kernels.forward import (  # noqa: E402
     FWD_CONFIGS,
     configs_for,
     range_attention_forward_triton,
 )
+from flashrange.kernels.common import merged_span  # noqa: E402
 from flashrange.reference import range_attention_forward  # noqa: E402
-from golden import dense_counts  # noqa: E402
+from golden import dense_counts, packed_document_rows  # noqa: E402
 
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
 
@@ -533,12 +535,119 @@ def _jit_parameters(kernel):
 
 def test_hopper_kernel_takes_the_triton_kernels_arguments():
     """The launcher passes one argument list to either kernel: the Gluon kernel's parameters are the Triton
-    kernel's, in order, then its own three; both leave the same sizes unspecialized."""
+    kernel's, in order, then its own four; both leave the same sizes unspecialized."""
     pytest.importorskip("triton.experimental.gluon")
     from flashrange.kernels import forward as fwd
     from flashrange.kernels.forward_sm90 import range_attn_fwd_sm90_ws_kernel as gluon_kernel
 
     triton_params, triton_free = _jit_parameters(fwd._range_attn_fwd_kernel)
     gluon_params, gluon_free = _jit_parameters(gluon_kernel)
-    assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True)]
+    assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True),
+                                            ("HAS_PACKED_HEADS", True)]
     assert gluon_free == triton_free == ["GROUP", "Tk", "Tq"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Merged tiles: a query block's short slices walked as one run of key tiles
+
+
+def _rows_tensors(rows):
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
+
+
+@triton.jit
+def _merge_decisions_kernel(slices_ptr, block_lo_ptr, block_hi_ptr, out_ptr, Tq, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    r0 = pid * BLOCK_M
+    is_merged, k_lo, n_tiles, k_end = merged_span(slices_ptr, tl.load(block_lo_ptr + pid),
+                                                  tl.load(block_hi_ptr + pid), r0, tl.minimum(r0 + BLOCK_M, Tq),
+                                                  BLOCK_N)
+    tl.store(out_ptr + pid * 4 + 0, is_merged.to(tl.int32))
+    tl.store(out_ptr + pid * 4 + 1, k_lo)
+    tl.store(out_ptr + pid * 4 + 2, n_tiles)
+    tl.store(out_ptr + pid * 4 + 3, k_end)
+
+
+def _merge_decisions(rows, Tq, Tk, block_n=64):
+    """Per plan block of the query-major plan: ``(is_merged, k_lo, n_tiles, k_end)`` of ``common.merged_span``."""
+    from flashrange import plan_mask
+    from flashrange.constants import PLAN_BLOCK
+
+    qr, kr, mt = (t.to(DEV) for t in _rows_tensors(rows))
+    plan = plan_mask(qr, kr, mt, Tq, Tk)
+    n_blocks = plan.q_block_lo.shape[0]
+    out = torch.full((n_blocks, 4), -7, dtype=torch.int32, device=DEV)
+    _merge_decisions_kernel[(n_blocks,)](plan.q_slices, plan.q_block_lo, plan.q_block_hi, out, Tq, PLAN_BLOCK,
+                                         block_n)
+    return out.cpu().tolist()
+
+
+@pytest.mark.parametrize(
+    "rows,T,want",
+    [
+        # Three documents in block 0 (tiles of 64 keys: 1 + 1 + 2 one by one, 2 as one run); one long after.
+        pytest.param([(0, 20, 0, 20, CAUSAL), (20, 50, 20, 50, CAUSAL), (50, 128, 50, 128, CAUSAL),
+                      (128, 300, 128, 300, CAUSAL)], 300, [[1, 0, 2, 128], [0], [0]], id="documents"),
+        pytest.param([(0, 100, 0, 100, CAUSAL), (100, 128, 100, 128, FULL)], 128, [[1, 0, 2, 128]],
+                     id="two-documents"),
+        pytest.param([(0, 128, 0, 128, FULL), (10, 20, 0, 10, FULL)], 128, [[0]], id="rows-overlap"),
+        pytest.param([(0, 30, 0, 30, FULL), (29, 128, 30, 128, CAUSAL)], 128, [[0]], id="one-row-in-two"),
+        pytest.param([(0, 30, 0, 30, FULL), (30, 128, 30, 128, CAUSAL)], 128, [[1, 0, 2, 128]], id="rows-touch"),
+        pytest.param([(0, 40, 0, 40, CAUSAL), (40, 128, 50, 128, CAUSAL)], 128, [[0]], id="keys-gap"),
+        # Rows 896..1000 reach 1000 keys: one run of 16 tiles, over MERGE_MAX_TILES.
+        pytest.param([(0, 1000, 0, 1000, CAUSAL), (1000, 1100, 1000, 1100, CAUSAL)], 1100,
+                     [[0]] * 9, id="long-then-short"),
+        pytest.param([(0, 64, 0, 64, FULL), (64, 128, 64, 128, FULL)], 128, [[0]], id="no-tile-saved"),
+        pytest.param([(0, 128, 0, 128, CAUSAL)], 128, [[0]], id="one-slice"),
+    ],
+)
+def test_merged_span_decisions(rows, T, want):
+    """When a query block walks its slices as one run of tiles, from the definition: rows split between
+    slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``."""
+    got = _merge_decisions(rows, T, T)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g[: len(w)] == w, (got, want)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])
+def test_merged_tiles_three_way(kind):
+    """Packed short documents, with and without merged tiles: both obey the three-way rule, and a NaN in
+    keys no slice covers reaches no output."""
+    import dataclasses
+
+    from flashrange.kernels.forward import _BY_NAME
+
+    rng = random.Random(len(kind))
+    Tq, Tk = 333, (290 if kind == "cross" else 333)
+    rows = packed_document_rows(kind, Tq, Tk, rng)
+    if kind == "tiny":
+        # The path under test runs: some block of 128 rows merges (tiles of 64 keys).
+        assert any(d[0] == 1 for d in _merge_decisions(rows, Tq, Tk))
+    qr, kr, mt = _rows_tensors(rows)
+    q, k, v = make_qkv(Tq, Tk, 4, 2, 32, 32, torch.float16, DEV, seed=len(rows))
+    uncovered = dense_counts(qr, kr, mt, Tq, Tk).sum(0) == 0
+    k[uncovered.to(k.device)] = float("nan")
+    v[uncovered.to(v.device)] = float("nan")
+    merged = _BY_NAME["cpu_m64_n64"]
+    assert merged.merge
+    for cfg in (merged, dataclasses.replace(merged, merge=False)):
+        out, lse = run_kernel(q, k, v, qr, kr, mt, 0.3, config=cfg)
+        check_three_way(q, k, v, qr, kr, mt, 0.3, 0.0, out, lse)
+
+
+def test_merged_tiles_bitwise_invariant():
+    """Merged tiles keep the bits under reruns, slice permutations and inserted empty slices."""
+    rows = packed_document_rows("mixed", 401, 401, random.Random(9))
+    qr, kr, mt = _rows_tensors(rows)
+    q, k, v = make_qkv(401, 401, 2, 1, 32, 32, torch.bfloat16, DEV, seed=4)
+    base = run_kernel(q, k, v, qr, kr, mt, 0.25)
+    perm = torch.randperm(qr.shape[0], generator=torch.Generator().manual_seed(5))
+    pad = torch.tensor([[0, 0], [7, 7], [0, 0]], dtype=torch.int32)
+    qr2, kr2 = torch.cat([qr[perm], pad]), torch.cat([kr[perm], pad])
+    mt2 = torch.cat([mt[perm], torch.tensor([FULL, CAUSAL, BI_CAUSAL], dtype=torch.int32)])
+    for args in ((qr, kr, mt), (qr2, kr2, mt2)):
+        out, lse = run_kernel(q, k, v, *args, 0.25)
+        assert torch.equal(out, base[0]) and torch.equal(lse, base[1])

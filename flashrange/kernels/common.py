@@ -37,6 +37,8 @@ __all__ = [
     "plan_program",
     "query_span",
     "forward_walk",
+    "merged_span",
+    "merged_rows",
     "tma_scratch",
     "ensure_tma_allocator",
     "gluon_sm90_ready",
@@ -71,6 +73,10 @@ DEV_NO_DIAGONAL = tl.constexpr(NO_DIAGONAL)
 DEV_CAUSAL = tl.constexpr(CAUSAL)
 DEV_INV_CAUSAL = tl.constexpr(INV_CAUSAL)
 DEV_BI_CAUSAL = tl.constexpr(BI_CAUSAL)
+# Merged tiles (merged_span) mask every element: a longer run would mask tiles that walking
+# the slices one by one skips the mask on (the long document a short one follows).
+MERGE_MAX_TILES = 4
+DEV_MERGE_MAX_TILES = tl.constexpr(MERGE_MAX_TILES)
 
 
 # Per kernel: how each argument enters the cache key (see _key_plan).
@@ -332,6 +338,74 @@ def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_
     n_full_lo = tl.where(full_ok, n_full_lo, n_tiles)
     n_full_hi = tl.where(full_ok, n_full_hi, n_tiles)
     return n_full_lo, n_full_hi
+
+
+@triton.jit
+def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
+    """Whether rows ``[r0, r1)`` walk their window as one run of key tiles, each row masked by its own slice
+    (docs/design.md, "Merged tiles"): ``(is_merged, k_lo, n_tiles, k_end)``, the run's tiles from ``k_lo``
+    and the end of its slices' keys (keys from there must read as zeros).
+
+    Merged when the slices that meet the rows split them (no row in two), their keys form one interval
+    with no gap (every key a tile loads is covered by some slice), and one run over their reach takes
+    fewer tiles than walking them one by one, and at most ``MERGE_MAX_TILES``. A function of the plan's canonical slices only, so
+    reruns, slice permutations and empty slices keep the decision and the bits.
+    """
+    n_sep = 0
+    n_meet = 0
+    n_misfit = 0
+    k_lo = r0 * 0 + DEV_NO_DIAGONAL
+    k_hi = r0 * 0
+    k_end = r0 * 0
+    first_ks = r0 * 0
+    row_end = r0
+    for s in range(s_lo, s_hi):
+        row = slices_ptr + s * 5
+        qs = tl.load(row + 0)
+        qe = tl.load(row + 1)
+        ks = tl.load(row + 2)
+        ke = tl.load(row + 3)
+        mtype = tl.load(row + 4)
+        has_upper, d_max, has_lower, d_min, lo, hi, n_t = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+        meets = n_t > 0
+        # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
+        # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
+        fits = (tl.maximum(qs, r0) >= row_end) & ((n_meet == 0) | ((ks >= first_ks) & (ks <= k_end)))
+        n_misfit += (meets & (fits == 0)).to(tl.int32)
+        first_ks = tl.where(meets & (n_meet == 0), ks, first_ks)
+        row_end = tl.where(meets, tl.minimum(qe, r1), row_end)
+        k_end = tl.where(meets, tl.maximum(k_end, ke), k_end)
+        k_lo = tl.where(meets, tl.minimum(k_lo, lo), k_lo)
+        k_hi = tl.where(meets, tl.maximum(k_hi, hi), k_hi)
+        n_sep += n_t
+        n_meet += meets.to(tl.int32)
+    n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
+    is_merged = (n_misfit == 0) & (n_meet > 1) & (n_tiles < n_sep) & (n_tiles <= DEV_MERGE_MAX_TILES)
+    return is_merged, k_lo, n_tiles, k_end
+
+
+@triton.jit
+def merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N: tl.constexpr):
+    """For merged tiles, each row of ``offs_m``'s own slice: ``(row_ok, ks, ke, d_lo, d_hi)``, the last four
+    as ``[rows, 1]`` columns (a row no slice covers has an empty key range)."""
+    row_ks = offs_m * 0
+    row_ke = offs_m * 0
+    row_dlo = offs_m * 0
+    row_dhi = offs_m * 0
+    for s in range(s_lo, s_hi):
+        row = slices_ptr + s * 5
+        qs = tl.load(row + 0)
+        qe = tl.load(row + 1)
+        ks = tl.load(row + 2)
+        ke = tl.load(row + 3)
+        mtype = tl.load(row + 4)
+        has_upper, d_max, has_lower, d_min, lo, hi, n_t = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+        mine = (offs_m >= qs) & (offs_m < qe) & (n_t > 0)
+        row_ks = tl.where(mine, ks, row_ks)
+        row_ke = tl.where(mine, ke, row_ke)
+        row_dhi = tl.where(mine, tl.where(has_upper, d_max, DEV_NO_DIAGONAL), row_dhi)
+        row_dlo = tl.where(mine, tl.where(has_lower, d_min, -DEV_NO_DIAGONAL), row_dlo)
+    return row_ke > row_ks, row_ks[:, None], row_ke[:, None], row_dlo[:, None], row_dhi[:, None]
 
 
 def tma_scratch(size: int, alignment: int, stream):

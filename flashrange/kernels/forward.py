@@ -50,6 +50,8 @@ from .common import (
     fast_launch_enabled,
     forward_walk,
     full_tile_run,
+    merged_rows,
+    merged_span,
     gluon_sm90_ready,
     interpreting,
     jit_launch,
@@ -178,7 +180,7 @@ def _range_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, IS_SCALE_FOLDED: tl.constexpr, IS_TMA: tl.constexpr, IS_WARP_SPECIALIZED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
-    HAS_MAX_LOGITS: tl.constexpr, IS_ONE_SLICE: tl.constexpr,
+    HAS_MAX_LOGITS: tl.constexpr, IS_ONE_SLICE: tl.constexpr, IS_MERGING: tl.constexpr,
 ):
     """1-D grid of ``n_plan_blocks * SPLIT * Hq`` programs, ranked heaviest first over all heads.
 
@@ -194,7 +196,9 @@ def _range_attn_fwd_kernel(
     ``HAS_MAX_LOGITS``, each row's largest score (``-inf`` on uncovered rows)
     goes to ``rowmax`` ``(Tq, Hq)`` float32. ``IS_ONE_SLICE``: the mask has
     one slice, so the TMA value descriptor that ends at its last key is built
-    once per program rather than once per slice.
+    once per program rather than once per slice. ``IS_MERGING``: a block whose
+    slices split its rows and whose keys form one interval may walk them as
+    one run of tiles (``common.merged_span``).
     """
     pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
                                              SPLIT, BLOCK_M)
@@ -231,7 +235,25 @@ def _range_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    for s_idx in range(s_lo, s_hi):
+    s_end = s_hi
+    if IS_MERGING and not IS_ONE_SLICE:
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
+        if is_merged:
+            # Every tile masked, each row by its own slice; keys from m_end on read as zeros.
+            row_ok_m, ks_m, ke_m, d_lo_m, d_hi_m = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
+            if IS_TMA:
+                v_run_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(m_end, 1), DV],
+                                                       strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV])
+            else:
+                v_run_desc = v_desc
+            for t in range(0, m_tiles):
+                acc, l_i, m_i = _tile_step(
+                    acc, l_i, m_i, q, k_base, v_base, k_desc, v_run_desc, m_lo + t * BLOCK_N, m_end, 1,
+                    stride_kt, stride_vt, offs_m, row_ok_m, ks_m, ke_m, d_lo_m, d_hi_m,
+                    qk_scale, cap_in, cap_out, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+                    HAS_SOFTCAP, IS_SCALE_FOLDED, IS_TMA, DOT_PRECISION, IS_BF16_EMULATED, IS_INT64)
+        s_end = tl.where(is_merged, s_lo, s_hi)
+    for s_idx in range(s_lo, s_end):
         row = slices_ptr + s_idx * 5
         qs = tl.load(row + 0)
         qe = tl.load(row + 1)
@@ -304,6 +326,10 @@ class FwdConfig:
     # Gluon only: one program per SM walks the work items (query block x head, heavy first),
     # instead of one program per item (docs/design.md, "The Hopper forward").
     persistent: bool = False
+    # A query block whose slices split its rows and whose keys form one interval walks them
+    # as one run of key tiles, each row masked by its own slice, when that takes fewer tiles
+    # (docs/design.md, "Merged tiles").
+    merge: bool = False
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -343,9 +369,11 @@ FWD_CONFIGS = [
     FwdConfig("sm90pp_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True),
     FwdConfig("sm90ppp_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True),
+    FwdConfig("sm90pppm_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
+              persistent=True, merge=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
-    FwdConfig("cpu_m64_n64", 64, 64, 4, 1),
+    FwdConfig("cpu_m64_n64", 64, 64, 4, 1, merge=True),
     FwdConfig("cpu_m32_n16", 32, 16, 4, 1),
     FwdConfig("cpu_m16_n32", 16, 32, 4, 1),
 ]
@@ -366,10 +394,10 @@ _DEFAULTS = {
 
 
 # On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim. At head
-# dim 64 the one-program-per-item Gluon kernel lost to the Triton kernel (BENCHMARKS.md,
-# fifth session); the persistent one wins (eighth session).
+# dim 64 the Triton kernel stays: the one-program-per-item Gluon kernel lost to it (fifth
+# session), and the persistent one won raw-launcher A/Bs by 2-5% but timed slower and
+# noisier through the public call (BENCHMARKS.md, eighth session).
 _SM90_DEFAULTS = {
-    64: "sm90ppp_m128_n128_w4_s3",
     128: "sm90ppp_m128_n128_w4_s3",
 }
 
@@ -679,6 +707,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         needs_int64(q, k, v, out),  # IS_INT64
         rowmax is not None,  # HAS_MAX_LOGITS
         plan.q_slices.shape[0] == 1,  # IS_ONE_SLICE
+        config.merge,  # IS_MERGING
     )
     kernel, num_stages, maxnreg = _range_attn_fwd_kernel, config.num_stages, None
     if config.gluon and use_tma:

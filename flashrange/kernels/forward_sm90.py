@@ -35,7 +35,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, plan_program
+from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
+                     plan_program)
 from .sm90_common import bounded_desc, issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -93,10 +94,48 @@ def _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready
 
 
 @gluon.jit
+def _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo,
+               n_sl, last_a, last_b, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+               STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+    """``n_tiles`` K/V tiles from key ``k_lo`` whose keys end at ``ke``; returns ``(n_sl, last_a, last_b)``
+    (see ``_produce_work``)."""
+    # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
+    # slice covers cannot reach P @ V through a p of 0. Tiles that end inside the slice
+    # need no bound.
+    if HAS_PACKED_HEADS and (k_lo + n_tiles * BLOCK_N <= ke):
+        issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, v_col, BLOCK_N,
+                    BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
+    else:
+        if n_sl % 2 == 0:
+            last_a = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
+                                  n_tiles, k_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+        else:
+            last_b = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
+                                  n_tiles, k_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+        n_sl += 1
+    return n_sl, last_a, last_b
+
+
+@gluon.jit
+def _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col, v_base, DV, stride_vt, k_smem, v_smem,
+                    ready, empty, it, n_sl, last_a, last_b, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+    """Rows ``[r0, r1)``'s window slice by slice: each slice's tiles from its first reachable key."""
+    for s_idx in range(s_lo, s_hi):
+        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
+        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+        n_sl, last_a, last_b = _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem,
+                                          ready, empty, it, n_tiles, k_lo, n_sl, last_a, last_b, BLOCK_N, BLOCK_D,
+                                          BLOCK_DV, STAGES, HAS_PACKED_HEADS)
+        it += n_tiles
+    return it, n_sl, last_a, last_b
+
+
+@gluon.jit
 def _produce_work(
     ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_MERGING: gl.constexpr,
 ):
     """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``.
     ``n_sl`` counts bounded slices so far (the value descriptor's call site alternates), ``wi`` items so
@@ -127,29 +166,29 @@ def _produce_work(
                                             strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D], layout=q_layout)
         q_col = 0
         k_col = 0
+        v_desc = 0
+        v_col = 0
     for j in gl.static_range(2):
         mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
         tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(j), q_smem.index(j))
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
-    for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
-        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
-                                                                                BLOCK_N)
-        # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
-        # slice covers cannot reach P @ V through a p of 0. Tiles that end inside the slice
-        # need no bound.
-        if HAS_PACKED_HEADS and (k_lo + n_tiles * BLOCK_N <= ke):
-            issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, v_col, BLOCK_N,
-                        BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
+    if IS_MERGING:
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
+        if is_merged:
+            n_sl, last_a, last_b = _issue_run(k_desc, v_desc, k_col, v_col, v_base, m_end, DV, stride_vt, k_smem,
+                                              v_smem, ready, empty, it, m_tiles, m_lo, n_sl, last_a, last_b, BLOCK_N,
+                                              BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
+            it += m_tiles
         else:
-            if n_sl % 2 == 0:
-                last_a = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
-                                      n_tiles, k_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
-            else:
-                last_b = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
-                                      n_tiles, k_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
-            n_sl += 1
-        it += n_tiles
+            it, n_sl, last_a, last_b = _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col,
+                                                       v_base, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_sl,
+                                                       last_a, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                       HAS_PACKED_HEADS)
+    else:
+        it, n_sl, last_a, last_b = _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col,
+                                                   v_base, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_sl,
+                                                   last_a, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                   HAS_PACKED_HEADS)
     return it, n_sl, last_a, last_b
 
 
@@ -159,6 +198,7 @@ def _ws_producer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+    IS_MERGING: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -187,8 +227,120 @@ def _ws_producer(
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
             it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed,
                                                      D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                     HAS_PACKED_HEADS)
+                                                     HAS_PACKED_HEADS, IS_MERGING)
             wi += 1
+
+
+@gluon.jit
+def _consume_tiles(
+    smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
+    d_lo, d_hi, qk_scale, cap_in, cap_out, dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
+    BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr,
+    IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+):
+    """``n_tiles`` key tiles from ``k_lo`` (ring tiles from ``it``) into one warpgroup's online softmax; tiles
+    ``[n_full_lo, n_full_hi)`` skip the element mask. The mask's ``row_ok``, ``ks``, ``ke``, ``d_lo``, ``d_hi``
+    are one slice's scalars or, for merged tiles, each row's own (``[HALF, 1]``). ``is_last``: the item's last
+    tiles (the query half is released after their last score matmul). Returns ``(n_blk, q_held, acc, m_i, l_i)``."""
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    q_half = q_smem.index(J)
+    HALF: gl.constexpr = q_half.shape[0]
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+    if IS_PINGPONG:
+        if n_tiles > 0:
+            # Matmul blocks [S_0], [P_0 V_0, S_1], ..., [P_{n-1} V_{n-1}]: the two warpgroups
+            # take turns issuing them, so one's softmax runs under the other's matmuls.
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
+            s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.arrive(turn.index(1 - J), count=1)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            n_blk += 1
+            if (n_tiles == 1) & is_last:
+                mbarrier.arrive(q_free.index(J), count=1)
+                q_held = 0
+            is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
+            offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            prev = slot
+            for t in range(1, n_tiles):
+                cur = it + t
+                slot = cur % STAGES
+                mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+                mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+                mbarrier.arrive(turn.index(1 - J), count=1)
+                acc, s, p_op = warpgroup_mma_wait(0, deps=(acc, s, p_op))
+                n_blk += 1
+                if (t == n_tiles - 1) & is_last:
+                    mbarrier.arrive(q_free.index(J), count=1)
+                    q_held = 0
+                mbarrier.arrive(empty.index(prev), count=1)
+                is_edge = (t < n_full_lo) | (t >= n_full_hi)
+                offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
+                                                   d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev = slot
+            mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - J), count=1)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            n_blk += 1
+            mbarrier.arrive(empty.index(prev), count=1)
+    else:
+        for t in range(n_tiles):
+            cur = it + t
+            slot = cur % STAGES
+            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+            s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            is_edge = (t < n_full_lo) | (t >= n_full_hi)
+            offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
+            mbarrier.arrive(empty.index(slot), count=1)
+    return n_blk, q_held, acc, m_i, l_i
+
+
+@gluon.jit
+def _consume_slices(
+    slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
+    dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+):
+    """One warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) over the window's slices one by one, each slice's
+    tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i)``."""
+    HALF: gl.constexpr = offs_m.shape[0]
+    for s_idx in range(s_lo, s_hi):
+        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
+        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                BLOCK_N)
+        # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
+        n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
+                                             k_lo, n_tiles, BLOCK_N)
+        row_ok = (offs_m >= qs) & (offs_m < qe)
+        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        n_blk, q_held, acc, m_i, l_i = _consume_tiles(
+            smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
+            s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
+            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+        it += n_tiles
+    return it, n_blk, q_held, acc, m_i, l_i
 
 
 @gluon.jit
@@ -196,7 +348,8 @@ def _consume_work(
     ptrs, smem, scalars, work, it, n_blk,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
+    J: gl.constexpr,
 ):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of one work item, on one warpgroup: ring tiles from ``it``,
     ping-pong blocks from ``n_blk``; returns both advanced. The query half is released once
@@ -212,9 +365,7 @@ def _consume_work(
                                                     instr_shape=[16, BLOCK_N, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_DV, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-    col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
     h0 = r0 + J * HALF
@@ -222,86 +373,26 @@ def _consume_work(
     m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([HALF], gl.float32, layout=row_s)
     acc = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_o)
-    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
-    q_half = q_smem.index(J)
     # The query half is released after its last score matmul (ping-pong; otherwise at the end),
     # so that a persistent program's next queries load under this item's last tile and epilogue.
     q_held = 1
-    for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
-        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
-                                                                                BLOCK_N)
-        # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
-        n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
-                                             k_lo, n_tiles, BLOCK_N)
-        row_ok = (offs_m >= qs) & (offs_m < qe)
-        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
-        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
-        if IS_PINGPONG:
-            if n_tiles > 0:
-                # Matmul blocks [S_0], [P_0 V_0, S_1], ..., [P_{n-1} V_{n-1}]: the two warpgroups
-                # take turns issuing them, so one's softmax runs under the other's matmuls.
-                slot = it % STAGES
-                mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-                mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
-                s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.arrive(turn.index(1 - J), count=1)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                n_blk += 1
-                if (n_tiles == 1) & (s_idx == s_hi - 1):
-                    mbarrier.arrive(q_free.index(J), count=1)
-                    q_held = 0
-                is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
-                offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                                   qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                prev = slot
-                for t in range(1, n_tiles):
-                    cur = it + t
-                    slot = cur % STAGES
-                    mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
-                    mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
-                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                    s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                    mbarrier.arrive(turn.index(1 - J), count=1)
-                    acc, s, p_op = warpgroup_mma_wait(0, deps=(acc, s, p_op))
-                    n_blk += 1
-                    if (t == n_tiles - 1) & (s_idx == s_hi - 1):
-                        mbarrier.arrive(q_free.index(J), count=1)
-                        q_held = 0
-                    mbarrier.arrive(empty.index(prev), count=1)
-                    is_edge = (t < n_full_lo) | (t >= n_full_hi)
-                    offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
-                                                       d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
-                    # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    prev = slot
-                mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                mbarrier.arrive(turn.index(1 - J), count=1)
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                n_blk += 1
-                mbarrier.arrive(empty.index(prev), count=1)
+    if IS_MERGING:
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
+        if is_merged:
+            row_ok, row_ks, row_ke, row_dlo, row_dhi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
+            n_blk, q_held, acc, m_i, l_i = _consume_tiles(
+                smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, m_lo, m_tiles, 0, 0, True, row_ok, row_ks, row_ke,
+                row_dlo, row_dhi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP,
+                IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+            it += m_tiles
         else:
-            for t in range(n_tiles):
-                cur = it + t
-                slot = cur % STAGES
-                mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
-                s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
-                is_edge = (t < n_full_lo) | (t >= n_full_hi)
-                offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                                   qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
-                mbarrier.arrive(empty.index(slot), count=1)
-        it += n_tiles
+            it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
+                slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
+                cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+    else:
+        it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
+            slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
+            cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
     if q_held == 1:
         mbarrier.arrive(q_free.index(J), count=1)
 
@@ -327,7 +418,8 @@ def _ws_consumer(
     ptrs, smem, scalars,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
+    J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
@@ -346,7 +438,7 @@ def _ws_consumer(
             mbarrier.wait(q_ready.index(J), wi & 1)
             it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
-                                      STAGES, IS_PINGPONG, J)
+                                      STAGES, IS_PINGPONG, IS_MERGING, J)
             wi += 1
 
 
@@ -356,11 +448,12 @@ def _ws_consumer_1(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+    IS_MERGING: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, 1,
     )
 
 
@@ -377,7 +470,7 @@ def range_attn_fwd_sm90_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, IS_TMA: gl.constexpr,
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
-    IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr,
+    IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
@@ -419,9 +512,9 @@ def range_attn_fwd_sm90_ws_kernel(
                stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, 0)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS)),
+                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING)),
         (_ws_producer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING)),
     ], [4, 1], [240, 24])
