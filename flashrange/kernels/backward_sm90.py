@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import bounded_desc, issue_bounded, issue_tiles, load_slice, nth_work, tma_load
+from .sm90_common import bounded_desc, issue_run, load_slice, nth_work, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -93,6 +93,8 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
                                             block_shape=[HALF, BLOCK_DV], layout=dv_layout)
         k_col = 0
         v_col = 0
+        q_all = 0
+        do_all = 0
     for j in gl.static_range(2):
         mbarrier.expect(kv_ready.index(j), HALF * (BLOCK_D + BLOCK_DV) * 2)
         tma_load(k_desc, [c0 + j * HALF, k_col], kv_ready.index(j), k_smem.index(j))
@@ -102,20 +104,11 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
         h32 = pid_hk * G + sg - s * G
         h = h32.to(gl.int64)
         qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
-        # Rows at or past m_hi read as zeros; tiles that end before m_hi need no bound.
-        if HAS_PACKED_HEADS and (m_lo + n_tiles * BLOCK_M <= m_hi):
-            issue_tiles(q_all, do_all, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, h32 * BLOCK_D, h32 * BLOCK_DV,
-                        BLOCK_M, BLOCK_M * (BLOCK_D + BLOCK_DV) * 2, STAGES)
-        else:
-            if n_pairs % 2 == 0:
-                last_a = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt,
-                                       stride_dot, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_a, BLOCK_M,
-                                       BLOCK_D, BLOCK_DV, STAGES)
-            else:
-                last_b = issue_bounded(q_ptr + h * stride_qh, do_ptr + h * stride_doh, m_hi, D, DV, stride_qt,
-                                       stride_dot, q_smem, do_smem, ready, empty, it, n_tiles, m_lo, last_b, BLOCK_M,
-                                       BLOCK_D, BLOCK_DV, STAGES)
-            n_pairs += 1
+        # Rows at or past m_hi read as zeros.
+        n_pairs, last_a, last_b = issue_run(q_all, do_all, h32 * BLOCK_D, h32 * BLOCK_DV, q_ptr + h * stride_qh,
+                                            do_ptr + h * stride_doh, m_hi, D, DV, stride_qt, stride_dot, q_smem,
+                                            do_smem, ready, empty, it, n_tiles, m_lo, n_pairs, last_a, last_b, BLOCK_M,
+                                            BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
         it += n_tiles
     return it, n_pairs, last_a, last_b
 
@@ -389,26 +382,18 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, pa
         q_desc = tma.make_tensor_descriptor(q_ptr + h * stride_qh, shape=[Tq, D], strides=[stride_qt, 1],
                                             block_shape=[HALF, BLOCK_D], layout=d_layout)
         q_col = 0
+        k_all = 0
+        v_all = 0
     for j in gl.static_range(2):
         mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
         tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(j), q_smem.index(j))
     for s in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
-        # Keys at or past the slice's end read as zeros; tiles that end inside the slice need no bound.
-        if HAS_PACKED_HEADS and (n_lo + n_tiles * BLOCK_N <= ke):
-            issue_tiles(k_all, v_all, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, (pid_h // G) * BLOCK_D,
-                        (pid_h // G) * BLOCK_DV,
-                        BLOCK_N, BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
-        else:
-            if n_sl % 2 == 0:
-                last_a = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt,
-                                       stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_a, BLOCK_N,
-                                       BLOCK_D, BLOCK_DV, STAGES)
-            else:
-                last_b = issue_bounded(k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt,
-                                       stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, last_b, BLOCK_N,
-                                       BLOCK_D, BLOCK_DV, STAGES)
-            n_sl += 1
+        # Keys at or past the slice's end read as zeros.
+        n_sl, last_a, last_b = issue_run(k_all, v_all, (pid_h // G) * BLOCK_D, (pid_h // G) * BLOCK_DV,
+                                         k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, ke, D, DV, stride_kt,
+                                         stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, n_lo, n_sl, last_a,
+                                         last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
         it += n_tiles
     return it, n_sl, last_a, last_b
 

@@ -341,6 +341,20 @@ def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_
 
 
 @triton.jit
+def _walk_slice(slices_ptr, s, r0, r1, BLOCK_N: tl.constexpr):
+    """Slice ``s`` of a plan's slice table and the forward's walk of it for rows ``[r0, r1)``:
+    ``(qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles)``."""
+    row = slices_ptr + s * 5
+    qs = tl.load(row + 0)
+    qe = tl.load(row + 1)
+    ks = tl.load(row + 2)
+    ke = tl.load(row + 3)
+    has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, tl.load(row + 4),
+                                                                            BLOCK_N)
+    return qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles
+
+
+@triton.jit
 def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
     """Whether rows ``[r0, r1)`` walk their window as one run of key tiles, each row masked by its own slice
     (docs/design.md, "Merged tiles"): ``(is_merged, k_lo, n_tiles, k_end)``, the run's tiles from ``k_lo``
@@ -348,8 +362,8 @@ def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
 
     Merged when the slices that meet the rows split them (no row in two), their keys form one interval
     with no gap (every key a tile loads is covered by some slice), and one run over their reach takes
-    fewer tiles than walking them one by one, and at most ``MERGE_MAX_TILES``. A function of the plan's canonical slices only, so
-    reruns, slice permutations and empty slices keep the decision and the bits.
+    fewer tiles than walking them one by one, and at most ``MERGE_MAX_TILES``. A function of the plan's
+    canonical slices only, so reruns, slice permutations and empty slices keep the decision and the bits.
     """
     n_sep = 0
     n_meet = 0
@@ -360,13 +374,8 @@ def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
     first_ks = r0 * 0
     row_end = r0
     for s in range(s_lo, s_hi):
-        row = slices_ptr + s * 5
-        qs = tl.load(row + 0)
-        qe = tl.load(row + 1)
-        ks = tl.load(row + 2)
-        ke = tl.load(row + 3)
-        mtype = tl.load(row + 4)
-        has_upper, d_max, has_lower, d_min, lo, hi, n_t = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, s, r0, r1,
+                                                                                    BLOCK_N)
         meets = n_t > 0
         # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
         # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
@@ -393,13 +402,8 @@ def merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N: tl.constexpr):
     row_dlo = offs_m * 0
     row_dhi = offs_m * 0
     for s in range(s_lo, s_hi):
-        row = slices_ptr + s * 5
-        qs = tl.load(row + 0)
-        qe = tl.load(row + 1)
-        ks = tl.load(row + 2)
-        ke = tl.load(row + 3)
-        mtype = tl.load(row + 4)
-        has_upper, d_max, has_lower, d_min, lo, hi, n_t = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, s, r0, r1,
+                                                                                    BLOCK_N)
         mine = (offs_m >= qs) & (offs_m < qe) & (n_t > 0)
         row_ks = tl.where(mine, ks, row_ks)
         row_ke = tl.where(mine, ke, row_ke)

@@ -27,7 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["bounded_desc", "issue_bounded", "issue_tiles", "load_slice", "nth_work", "tma_load", "wait_tiles_landed"]
+__all__ = ["bounded_desc", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work", "tma_load",
+           "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -92,6 +93,28 @@ def issue_bounded(a_base, b_base, end, a_cols, b_cols, a_stride, b_stride, a_sme
     issue_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, it, n_tiles, start, 0, 0, BLOCK,
                 BLOCK * (BLOCK_A + BLOCK_B) * 2, STAGES)
     return gl.where(n_tiles > 0, it + n_tiles - 1, last)
+
+
+@gluon.jit
+def issue_run(a_all, b_all, a_col, b_col, a_base, b_base, end, a_cols, b_cols, a_stride, b_stride, a_smem, b_smem,
+              ready, empty, it, n_tiles, start, n_sl, last_a, last_b, BLOCK: gl.constexpr, BLOCK_A: gl.constexpr,
+              BLOCK_B: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+    """One slice's ``n_tiles`` tiles of two tensors from row ``start``, rows past ``end`` read as zeros: through
+    the program's descriptors ``a_all`` / ``b_all`` (the head at columns ``a_col`` / ``b_col``) when heads are
+    packed and the tiles end by ``end``, else through the two bounded call sites by turns (``n_sl`` counts the
+    slices that took them). Returns ``(n_sl, last_a, last_b)``."""
+    if HAS_PACKED_HEADS and (start + n_tiles * BLOCK <= end):
+        issue_tiles(a_all, b_all, a_smem, b_smem, ready, empty, it, n_tiles, start, a_col, b_col, BLOCK,
+                    BLOCK * (BLOCK_A + BLOCK_B) * 2, STAGES)
+    else:
+        if n_sl % 2 == 0:
+            last_a = issue_bounded(a_base, b_base, end, a_cols, b_cols, a_stride, b_stride, a_smem, b_smem, ready,
+                                   empty, it, n_tiles, start, last_a, BLOCK, BLOCK_A, BLOCK_B, STAGES)
+        else:
+            last_b = issue_bounded(a_base, b_base, end, a_cols, b_cols, a_stride, b_stride, a_smem, b_smem, ready,
+                                   empty, it, n_tiles, start, last_b, BLOCK, BLOCK_A, BLOCK_B, STAGES)
+        n_sl += 1
+    return n_sl, last_a, last_b
 
 
 @gluon.jit
