@@ -17,6 +17,7 @@ backend), nothing was tried.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -112,6 +113,11 @@ def forward_builds():
          _docs(300, 3), 30.0, True, False),
         ("d128-bf16-documents-softcap-gluon-persistent", 128, 128, torch.bfloat16, "sm90ppp_m128_n128_w4_s3",
          _docs(300, 3), 30.0, True, False),
+        ("d128-bf16-documents-gluon-merged-tiles", 128, 128, torch.bfloat16, "sm90pppm_m128_n128_w4_s3",
+         _docs(300, 9), 0.0, False, False),
+        # The Triton kernel's merged tiles on the TMA path (on the GPU only an explicit config merges there).
+        ("d64-fp16-documents-merged-tiles", 64, 64, torch.float16,
+         dataclasses.replace(fwd._BY_NAME["tma_m128_n64_w4_s3"], merge=True), _docs(300, 9), 0.0, False, False),
     ]
     if fwd._has_warp_spec():
         cases.append(("d128-bf16-warp-specialized", 128, 128, torch.bfloat16, "ws_m128_n128_w8_s2",
@@ -122,7 +128,7 @@ def forward_builds():
         qr, kr, mt = _ranges(rows)
         plan = plan_mask(qr, kr, mt, T, T)
         if cfg_name:
-            config = fwd._BY_NAME[cfg_name]
+            config = cfg_name if isinstance(cfg_name, fwd.FwdConfig) else fwd._BY_NAME[cfg_name]
         else:
             config = fwd._default_config.__wrapped__(D, Dv, dtype, "cuda", False, -1)
         o = torch.empty(T, Hq, Dv, dtype=dtype)
@@ -132,7 +138,7 @@ def forward_builds():
         fwd.launch = rec
         fwd._launch(q, k, v, o, lse, rowmax, plan, D ** -0.5, softcap, config, fwd.plan_split(config.BLOCK_M),
                     config.use_tma, False, None)
-        out.append((f"forward {name} [{config.name}]", rec))
+        out.append((f"forward {name} [{config.name}{', merged tiles' if config.merge else ''}]", rec))
     return out
 
 
