@@ -300,3 +300,11 @@ def packed_document_rows(kind, Tq, Tk, rng):
         mtype = rng.randrange(4) if kind == "mixed" else 1
         rows.append((qs, qe, ks, qe, mtype))
     return rows
+
+
+def heads_padded_view(t):
+    """``t`` ``(T, H, X)``'s values in a view whose rows pad each head by 64 columns: the heads are no longer
+    side by side in a row (the Hopper kernels then take per-head descriptors)."""
+    wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 64, dtype=t.dtype, device=t.device)
+    wide[..., : t.shape[2]] = t
+    return wide[..., : t.shape[2]]

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from golden import assert_three_way, random_slice_rows, short_slice_rows
+from golden import assert_three_way, heads_padded_view, random_slice_rows, short_slice_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -483,11 +483,6 @@ def test_gluon_backward_packed_heads_is_bitwise_the_same(kind):
     tile runs past its end) give the bits of per-head descriptors bounded at every slice's end."""
     from flashrange.kernels.common import packed_heads
 
-    def unpacked(t):
-        wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 64, dtype=t.dtype, device=t.device)
-        wide[..., : t.shape[2]] = t
-        return wide[..., : t.shape[2]]
-
     T = 4099
     if kind == "docs":
         rows = _docs(T, 23, 4) + [(100, 3000, 50, 2900, FULL), (3000, 4099, 3000, 4000, INV_CAUSAL)]
@@ -497,7 +492,7 @@ def test_gluon_backward_packed_heads_is_bitwise_the_same(kind):
     (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(T, T, 8, 2, 128, 128, rows, torch.bfloat16,
                                                                          seed=6, golden=False, config=cfg)
     assert packed_heads(q, k, v, do)
-    args = [unpacked(t) for t in (do, q, k, v)]
+    args = [heads_padded_view(t) for t in (do, q, k, v)]
     assert not packed_heads(*args)
     got = range_attention_backward_triton(*args, out, lse, qr, kr, mt, None, 0.0, dlse, config=cfg)
     for a, b in zip((dq, dk, dv), got):

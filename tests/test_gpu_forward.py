@@ -28,7 +28,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     default_config,
     range_attention_forward_triton,
 )
-from golden import dense_counts, packed_document_rows, short_slice_rows  # noqa: E402
+from golden import dense_counts, heads_padded_view, packed_document_rows, short_slice_rows  # noqa: E402
 from test_kernel_forward import (  # noqa: E402
     BI_CAUSAL,
     CAUSAL,
@@ -543,14 +543,6 @@ def test_hopper_persistent_grid_is_bitwise_the_same(kind):
     assert torch.equal(one, many) and torch.equal(lse_one, lse_many)
 
 
-def _unpacked(t):
-    """``t``'s values in a view whose heads are not side by side in a row (each head padded by 64
-    columns): the kernels then take per-head descriptors, not one over ``(T, H * D)``."""
-    wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 64, dtype=t.dtype, device=t.device)
-    wide[..., : t.shape[2]] = t
-    return wide[..., : t.shape[2]]
-
-
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
 @pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
 def test_hopper_packed_heads_is_bitwise_the_same(kind):
@@ -566,7 +558,7 @@ def test_hopper_packed_heads_is_bitwise_the_same(kind):
                                                                     [r[4] for r in rows]))
     else:
         qr, kr, mt = _mask(kind, T, 5)
-    qu, ku, vu = _unpacked(q), _unpacked(k), _unpacked(v)
+    qu, ku, vu = heads_padded_view(q), heads_padded_view(k), heads_padded_view(v)
     assert packed_heads(q, k, v) and not packed_heads(qu, ku, vu)
     out, lse = _run(q, k, v, qr, kr, mt, 128 ** -0.5)
     out_u, lse_u = _run(qu, ku, vu, qr, kr, mt, 128 ** -0.5)

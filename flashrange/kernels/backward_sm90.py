@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import bounded_desc, issue_run, load_slice, nth_work, tma_load
+from .sm90_common import bounded_desc, issue_run, load_slice, nth_work, packed_qkv, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -124,10 +124,9 @@ def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
     n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
     if HAS_PACKED_HEADS:
         # One descriptor per tensor for the whole program (sm90_common); the head is a column.
-        packed = (bounded_desc(k_ptr, Tk, Hkv * BLOCK_D, stride_kt, BLOCK_N // 2, BLOCK_D),
-                  bounded_desc(v_ptr, Tk, Hkv * BLOCK_DV, stride_vt, BLOCK_N // 2, BLOCK_DV),
-                  bounded_desc(q_ptr, Tq, Hq * BLOCK_D, stride_qt, BLOCK_M, BLOCK_D),
-                  bounded_desc(do_ptr, Tq, Hq * BLOCK_DV, stride_dot, BLOCK_M, BLOCK_DV))
+        q_all, k_all, v_all = packed_qkv(q_ptr, k_ptr, v_ptr, Tq, Tk, Hq, Hkv, stride_qt, stride_kt, stride_vt,
+                                         BLOCK_M, BLOCK_N // 2, BLOCK_D, BLOCK_DV)
+        packed = (k_all, v_all, q_all, bounded_desc(do_ptr, Tq, Hq * BLOCK_DV, stride_dot, BLOCK_M, BLOCK_DV))
     else:
         packed = (0, 0, 0, 0)
     it = 0
@@ -408,9 +407,8 @@ def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr
     stride_qt, stride_kt, stride_vt = scalars[6], scalars[8], scalars[10]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     if HAS_PACKED_HEADS:
-        packed = (bounded_desc(q_ptr, Tq, Hq * BLOCK_D, stride_qt, BLOCK_M // 2, BLOCK_D),
-                  bounded_desc(k_ptr, Tk, (Hq // G) * BLOCK_D, stride_kt, BLOCK_N, BLOCK_D),
-                  bounded_desc(v_ptr, Tk, (Hq // G) * BLOCK_DV, stride_vt, BLOCK_N, BLOCK_DV))
+        packed = packed_qkv(q_ptr, k_ptr, v_ptr, Tq, Tk, Hq, Hq // G, stride_qt, stride_kt, stride_vt, BLOCK_M // 2,
+                            BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         packed = (0, 0, 0)
     it = 0

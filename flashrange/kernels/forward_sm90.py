@@ -27,6 +27,10 @@ warp-specialized:
   without it they run freely and wait only on the producer;
 - registers are split unevenly (``setmaxnreg``): 240 per consumer thread,
   24 for the producer.
+
+With ``HAS_PACKED_HEADS`` the producer reads every head through one descriptor
+per tensor (``sm90_common``); with ``IS_MERGING`` (an opt-in config) a block of
+short slices may walk them as one run of tiles (``common.merged_span``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
-from .sm90_common import bounded_desc, issue_tiles, load_slice, nth_work, tma_load, wait_tiles_landed
+from .sm90_common import bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, tma_load, wait_tiles_landed
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -207,9 +211,8 @@ def _ws_producer(
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     if HAS_PACKED_HEADS:
         # One descriptor per tensor for the whole program (sm90_common); the head is a column.
-        packed = (bounded_desc(q_ptr, Tq, Hq * D, stride_qt, BLOCK_M // 2, BLOCK_D),
-                  bounded_desc(k_ptr, Tk, (Hq // GROUP) * D, stride_kt, BLOCK_N, BLOCK_D),
-                  bounded_desc(v_ptr, Tk, (Hq // GROUP) * DV, stride_vt, BLOCK_N, BLOCK_DV))
+        packed = packed_qkv(q_ptr, k_ptr, v_ptr, Tq, Tk, Hq, Hq // GROUP, stride_qt, stride_kt, stride_vt,
+                            BLOCK_M // 2, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         packed = (0, 0, 0)
     it = 0

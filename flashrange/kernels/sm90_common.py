@@ -27,8 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["bounded_desc", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work", "tma_load",
-           "wait_tiles_landed"]
+__all__ = ["bounded_desc", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work", "packed_qkv",
+           "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -74,6 +74,16 @@ def bounded_desc(base, end, cols, stride, BLOCK: gl.constexpr, BLOCK_C: gl.const
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_C * 2, 128), element_bitwidth=16)
     return tma.make_tensor_descriptor(base, shape=[gl.maximum(end, 1), cols], strides=[stride, 1],
                                       block_shape=[BLOCK, BLOCK_C], layout=layout)
+
+
+@gluon.jit
+def packed_qkv(q_ptr, k_ptr, v_ptr, Tq, Tk, Hq, Hkv, stride_qt, stride_kt, stride_vt, Q_ROWS: gl.constexpr,
+               KV_ROWS: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr):
+    """With packed heads, a program's one descriptor per tensor: q, k and v over ``(T, H * D)``, tiles of
+    ``Q_ROWS`` (q) and ``KV_ROWS`` (k, v) rows of one head, picked by column ``head * D``."""
+    return (bounded_desc(q_ptr, Tq, Hq * BLOCK_D, stride_qt, Q_ROWS, BLOCK_D),
+            bounded_desc(k_ptr, Tk, Hkv * BLOCK_D, stride_kt, KV_ROWS, BLOCK_D),
+            bounded_desc(v_ptr, Tk, Hkv * BLOCK_DV, stride_vt, KV_ROWS, BLOCK_DV))
 
 
 @gluon.jit
