@@ -432,8 +432,8 @@ def test_hopper_kernel_is_the_default_and_builds():
     assert default_config(128, 128, torch.bfloat16).gluon
     # One program per SM walks the work items (docs/design.md, "The Hopper forward").
     assert default_config(128, 128, torch.bfloat16).persistent
-    # Merged tiles stay opt-in on the GPU: slower on 128 documents in 32k (BENCHMARKS.md, eighth session).
-    assert not default_config(128, 128, torch.bfloat16).merge
+    # Short documents side by side walk merged tiles (docs/design.md, "Merged tiles").
+    assert default_config(128, 128, torch.bfloat16).merge
 
 
 class _Unbuildable:
@@ -594,3 +594,16 @@ def test_hopper_merged_tiles(kind):
                  torch.cat([mt[perm], torch.tensor([CAUSAL, FULL], dtype=torch.int32)]), 128 ** -0.5,
                  config="sm90pppm_m128_n128_w4_s3")
     assert torch.equal(again[0], merged[0]) and torch.equal(again[1], merged[1])
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["causal", "doc3", "window"])
+def test_hopper_merging_keeps_the_bits_where_no_block_merges(kind):
+    """Long slices never merge (a run would pass ``MERGE_MAX_TILES``): with merging compiled in, each slice
+    walks the same tiles with its bounds as columns, and the bits are those of the config without it."""
+    T = 4099
+    q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=17)
+    qr, kr, mt = _doc_causal(T, 3, 4) if kind == "doc3" else _mask(kind, T, 4)
+    plain = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90ppp_m128_n128_w4_s3")
+    merging = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pppm_m128_n128_w4_s3")
+    assert torch.equal(plain[0], merging[0]) and torch.equal(plain[1], merging[1])

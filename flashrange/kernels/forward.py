@@ -398,7 +398,9 @@ _DEFAULTS = {
 # session), and the persistent one won raw-launcher A/Bs by 2-5% but timed slower and
 # noisier through the public call (BENCHMARKS.md, eighth session).
 _SM90_DEFAULTS = {
-    128: "sm90ppp_m128_n128_w4_s3",
+    # Merged tiles: a large gain with very short documents against a small loss elsewhere
+    # (docs/design.md, "Merged tiles").
+    128: "sm90pppm_m128_n128_w4_s3",
 }
 
 

@@ -177,17 +177,22 @@ def _produce_work(
         tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(j), q_smem.index(j))
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
     if IS_MERGING:
+        # One call site for both kinds of run, as in the consumers.
         is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
-        if is_merged:
-            n_sl, last_a, last_b = _issue_run(k_desc, v_desc, k_col, v_col, v_base, m_end, DV, stride_vt, k_smem,
-                                              v_smem, ready, empty, it, m_tiles, m_lo, n_sl, last_a, last_b, BLOCK_N,
-                                              BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
-            it += m_tiles
-        else:
-            it, n_sl, last_a, last_b = _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col,
-                                                       v_base, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_sl,
-                                                       last_a, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                       HAS_PACKED_HEADS)
+        n_runs = gl.where(is_merged, 1, s_hi - s_lo)
+        for run in range(0, n_runs):
+            if is_merged:
+                k_lo = m_lo
+                n_tiles = m_tiles
+                ke = m_end
+            else:
+                qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_lo + run)
+                has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
+                                                                                        BLOCK_N)
+            n_sl, last_a, last_b = _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem,
+                                              ready, empty, it, n_tiles, k_lo, n_sl, last_a, last_b, BLOCK_N, BLOCK_D,
+                                              BLOCK_DV, STAGES, HAS_PACKED_HEADS)
+            it += n_tiles
     else:
         it, n_sl, last_a, last_b = _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col,
                                                    v_base, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_sl,
@@ -380,18 +385,34 @@ def _consume_work(
     # so that a persistent program's next queries load under this item's last tile and epilogue.
     q_held = 1
     if IS_MERGING:
+        # One call site of the tile loop for both kinds of run (a merged run, or one slice's tiles with
+        # its bounds as [HALF, 1] columns): two would be two inlined copies of the loop.
         is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
-        if is_merged:
-            row_ok, row_ks, row_ke, row_dlo, row_dhi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
+        n_runs = gl.where(is_merged, 1, s_hi - s_lo)
+        zero_col = gl.expand_dims(offs_m * 0, 1)
+        for run in range(0, n_runs):
+            if is_merged:
+                row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
+                k_lo = m_lo
+                n_tiles = m_tiles
+                n_full_lo = m_lo * 0
+                n_full_hi = m_lo * 0
+            else:
+                qs, qe, ks_s, ke_s, mtype = load_slice(slices_ptr, s_lo + run)
+                has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks_s, ke_s,
+                                                                                        mtype, BLOCK_N)
+                n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks_s, ke_s, has_upper, d_max, has_lower,
+                                                     d_min, k_lo, n_tiles, BLOCK_N)
+                row_ok = (offs_m >= qs) & (offs_m < qe)
+                ks = zero_col + ks_s
+                ke = zero_col + ke_s
+                d_hi = zero_col + gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+                d_lo = zero_col + gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
-                smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, m_lo, m_tiles, 0, 0, True, row_ok, row_ks, row_ke,
-                row_dlo, row_dhi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP,
-                IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
-            it += m_tiles
-        else:
-            it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
-                slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
-                cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+                smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
+                run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
+                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+            it += n_tiles
     else:
         it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
             slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
