@@ -29,7 +29,7 @@ warp-specialized:
   24 for the producer.
 
 With ``HAS_PACKED_HEADS`` the producer reads every head through one descriptor
-per tensor (``sm90_common``); with ``IS_MERGING`` (an opt-in config) a block of
+per tensor (``sm90_common``); with ``IS_MERGING`` (the default config) a block of
 short slices may walk them as one run of tiles (``common.merged_span``).
 """
 
