@@ -325,6 +325,22 @@ def _consume_tiles(
 
 
 @gluon.jit
+def _slice_run(slices_ptr, s_idx, r0, r1, h0, offs_m, BLOCK_N: gl.constexpr):
+    """Slice ``s_idx``'s tiles for a warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) of block ``[r0, r1)``:
+    ``(k_lo, n_tiles, n_full_lo, n_full_hi, row_ok, ks, ke, d_lo, d_hi)``, the mask's bounds as scalars."""
+    HALF: gl.constexpr = offs_m.shape[0]
+    qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
+    has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+    # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
+    n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo,
+                                         n_tiles, BLOCK_N)
+    row_ok = (offs_m >= qs) & (offs_m < qe)
+    d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+    d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+    return k_lo, n_tiles, n_full_lo, n_full_hi, row_ok, ks, ke, d_lo, d_hi
+
+
+@gluon.jit
 def _consume_slices(
     slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
     dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
@@ -332,17 +348,9 @@ def _consume_slices(
 ):
     """One warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) over the window's slices one by one, each slice's
     tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i)``."""
-    HALF: gl.constexpr = offs_m.shape[0]
     for s_idx in range(s_lo, s_hi):
-        qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
-        has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
-                                                                                BLOCK_N)
-        # Full tiles for this warpgroup's rows (the tiles themselves follow the whole block).
-        n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min,
-                                             k_lo, n_tiles, BLOCK_N)
-        row_ok = (offs_m >= qs) & (offs_m < qe)
-        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
-        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        k_lo, n_tiles, n_full_lo, n_full_hi, row_ok, ks, ke, d_lo, d_hi = _slice_run(slices_ptr, s_idx, r0, r1, h0,
+                                                                                     offs_m, BLOCK_N)
         n_blk, q_held, acc, m_i, l_i = _consume_tiles(
             smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
             s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
@@ -398,16 +406,12 @@ def _consume_work(
                 n_full_lo = m_lo * 0
                 n_full_hi = m_lo * 0
             else:
-                qs, qe, ks_s, ke_s, mtype = load_slice(slices_ptr, s_lo + run)
-                has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks_s, ke_s,
-                                                                                        mtype, BLOCK_N)
-                n_full_lo, n_full_hi = full_tile_run(h0, h0 + HALF, qs, qe, ks_s, ke_s, has_upper, d_max, has_lower,
-                                                     d_min, k_lo, n_tiles, BLOCK_N)
-                row_ok = (offs_m >= qs) & (offs_m < qe)
+                k_lo, n_tiles, n_full_lo, n_full_hi, row_ok, ks_s, ke_s, d_lo_s, d_hi_s = _slice_run(
+                    slices_ptr, s_lo + run, r0, r1, h0, offs_m, BLOCK_N)
                 ks = zero_col + ks_s
                 ke = zero_col + ke_s
-                d_hi = zero_col + gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
-                d_lo = zero_col + gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+                d_lo = zero_col + d_lo_s
+                d_hi = zero_col + d_hi_s
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
                 smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
                 run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
