@@ -61,6 +61,29 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
 
 
 @gluon.jit
+def _dkdv_scores(qkT, dpT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
+                 HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """P^T and dS^T of one tile from its S^T and dP^T (keys by rows), masked at the slice's cells."""
+    if HAS_SOFTCAP:
+        e = gl.exp2(qkT * (2.0 * DEV_LOG2E * scale / softcap))
+        th = 1.0 - 2.0 / (e + 1.0)
+        pT = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 0))
+    else:
+        pT = gl.exp2(qkT * qk_scale2 - gl.expand_dims(lse2, 0))
+    is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
+    if is_edge:
+        pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), pT, 0.0)
+    dsT = pT * (dpT - gl.expand_dims(delta, 0))
+    if HAS_SOFTCAP:
+        dsT = dsT * (1.0 - th * th)
+    if is_edge:
+        # A key of the block that these rows do not read may hold NaN in v (dpT):
+        # 0 * NaN must not reach its dK.
+        dsT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), dsT, 0.0)
+    return pT, dsT
+
+
+@gluon.jit
 def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_b, packed, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                        HAS_PACKED_HEADS: gl.constexpr):
@@ -183,6 +206,13 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
     # Released after the item's last S^T / dP^T matmuls, so that a persistent program's next K and V
     # load under this item's last dV / dK matmuls and its epilogue (at the end if it has no tile).
     kv_held = 1
+    # A tile's dV / dK matmuls are issued after the next tile's S^T / dP^T and run under its
+    # element-wise work (the same accumulations in the same order): ``pending`` says a tile's
+    # operands wait in ``pt_op`` / ``dst_op``, its q and dO still in ring slot ``p_slot``.
+    pending = 0
+    p_slot = 0
+    pt_op = gl.zeros([HALF, BLOCK_M], dtype, layout=pt_layout)
+    dst_op = gl.zeros([HALF, BLOCK_M], dtype, layout=dst_layout)
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         h = (pid_hk * G + sg - s * G).to(gl.int64)
@@ -217,35 +247,34 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
             # dV and dK. An accumulator still in flight cannot be carried to the next tile.
             qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            qkT, dpT = warpgroup_mma_wait(0, deps=(qkT, dpT))
+            # An async accumulator cannot leave a branch: each branch waits for what it issued.
+            if pending == 1:
+                dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
+                dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
+                sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
+                pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                       qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                mbarrier.arrive(empty.index(p_slot), count=1)
+            else:
+                sT, dT = warpgroup_mma_wait(0, deps=(qkT, dpT))
+                pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                       qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
             if is_last_pair & (t == n_tiles - 1):
                 mbarrier.arrive(kv_free.index(J), count=1)
                 kv_held = 0
-            if HAS_SOFTCAP:
-                e = gl.exp2(qkT * (2.0 * DEV_LOG2E * scale / softcap))
-                th = 1.0 - 2.0 / (e + 1.0)
-                pT = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 0))
-            else:
-                pT = gl.exp2(qkT * qk_scale2 - gl.expand_dims(lse2, 0))
-            is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
-            if is_edge:
-                pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), pT, 0.0)
-            dsT = pT * (dpT - gl.expand_dims(delta, 0))
-            if HAS_SOFTCAP:
-                dsT = dsT * (1.0 - th * th)
-            if is_edge:
-                # A key of the block that these rows do not read may hold NaN in v (dpT):
-                # 0 * NaN must not reach its dK.
-                dsT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), dsT, 0.0)
             pt_op = gl.convert_layout(pT.to(dtype), pt_layout)
             dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
-            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-            mbarrier.arrive(empty.index(slot), count=1)
+            pending = 1
+            p_slot = slot
         it += n_tiles
     if kv_held == 1:
         mbarrier.arrive(kv_free.index(J), count=1)
+    if pending == 1:
+        dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+        mbarrier.arrive(empty.index(p_slot), count=1)
 
     dk = dk * scale
     key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
