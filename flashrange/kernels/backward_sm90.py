@@ -467,6 +467,29 @@ def _slice_keys(slices_ptr, s, r0, r1, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _dq_scores(qk, dp, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi, qk_scale2, scale, softcap,
+               col_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
+    """dS of one tile from its S and dP (rows by keys), masked at the slice's cells."""
+    if HAS_SOFTCAP:
+        e = gl.exp2(qk * (2.0 * DEV_LOG2E * scale / softcap))
+        th = 1.0 - 2.0 / (e + 1.0)
+        p = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 1))
+    else:
+        p = gl.exp2(qk * qk_scale2 - gl.expand_dims(lse2, 1))
+    is_edge = (c < f_lo) | (c + BLOCK_N > f_hi)
+    if is_edge:
+        offs_n = c + gl.arange(0, BLOCK_N, layout=col_s)
+        diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
+        cell = (gl.expand_dims((offs_m >= qs) & (offs_m < qe), 1)
+                & gl.expand_dims((offs_n >= n_lo) & (offs_n < n_hi), 0) & (diag <= d_hi) & (diag >= d_lo))
+        p = gl.where(cell, p, 0.0)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - th * th)
+    return ds
+
+
+@gluon.jit
 def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DLSE: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr):
@@ -522,6 +545,12 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
     # Released after the item's last S / dP matmuls, so that a persistent program's next queries load
     # under this item's last dQ matmul and its epilogue (at the end if it has no tile).
     q_held = 1
+    # A tile's dQ matmul is issued after the next tile's S / dP and runs under its element-wise
+    # work (the same accumulation in the same order): ``pending`` says a tile's dS waits in
+    # ``ds_op``, its keys still in ring slot ``p_slot``.
+    pending = 0
+    p_slot = 0
+    ds_op = gl.zeros([HALF, BLOCK_N], dtype, layout=ds_layout)
     for s in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype, n_lo, n_hi, n_tiles = _slice_keys(slices_ptr, s, r0, r1, BLOCK_N)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
@@ -545,31 +574,31 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
             # S and dP in one batch, one wait (as in the dK/dV kernel).
             qk = warpgroup_mma(q_half, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            qk, dp, do_op = warpgroup_mma_wait(0, deps=(qk, dp, do_op))
+            # An async accumulator cannot leave a branch: each branch waits for what it issued.
+            if pending == 1:
+                dq = warpgroup_mma(ds_op, k_smem.index(p_slot), dq, is_async=True)
+                sc, dpc, do_op = warpgroup_mma_wait(1, deps=(qk, dp, do_op))
+                ds = _dq_scores(sc, dpc, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi,
+                                qk_scale2, scale, softcap, col_s, HAS_SOFTCAP, BLOCK_N)
+                dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+                mbarrier.arrive(empty.index(p_slot), count=1)
+            else:
+                sc, dpc, do_op = warpgroup_mma_wait(0, deps=(qk, dp, do_op))
+                ds = _dq_scores(sc, dpc, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi,
+                                qk_scale2, scale, softcap, col_s, HAS_SOFTCAP, BLOCK_N)
             if is_last_slice & (t == n_tiles - 1):
                 mbarrier.arrive(q_free.index(J), count=1)
                 q_held = 0
-            if HAS_SOFTCAP:
-                e = gl.exp2(qk * (2.0 * DEV_LOG2E * scale / softcap))
-                th = 1.0 - 2.0 / (e + 1.0)
-                p = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 1))
-            else:
-                p = gl.exp2(qk * qk_scale2 - gl.expand_dims(lse2, 1))
-            is_edge = (c < f_lo) | (c + BLOCK_N > f_hi)
-            if is_edge:
-                offs_n = c + gl.arange(0, BLOCK_N, layout=col_s)
-                diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
-                cell = (gl.expand_dims((offs_m >= qs) & (offs_m < qe), 1)
-                        & gl.expand_dims((offs_n >= n_lo) & (offs_n < n_hi), 0) & (diag <= d_hi) & (diag >= d_lo))
-                p = gl.where(cell, p, 0.0)
-            ds = p * (dp - gl.expand_dims(delta, 1))
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - th * th)
-            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
-            mbarrier.arrive(empty.index(slot), count=1)
+            ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+            pending = 1
+            p_slot = slot
         it += n_tiles
     if q_held == 1:
         mbarrier.arrive(q_free.index(J), count=1)
+    if pending == 1:
+        dq = warpgroup_mma(ds_op, k_smem.index(p_slot), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        mbarrier.arrive(empty.index(p_slot), count=1)
 
     dq = dq * scale
     row_q: gl.constexpr = gl.SliceLayout(1, mma_q)
