@@ -283,20 +283,23 @@ def _consume_tiles(
                 slot = cur % STAGES
                 mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
                 mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                # The score matmul first: its softmax then runs while P_{t-1} V_{t-1} is still
+                # in flight (the same arithmetic in the same order as waiting for both).
                 s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 mbarrier.arrive(turn.index(1 - J), count=1)
-                acc, s, p_op = warpgroup_mma_wait(0, deps=(acc, s, p_op))
+                s = warpgroup_mma_wait(1, deps=(s,))
                 n_blk += 1
                 if (t == n_tiles - 1) & is_last:
                     mbarrier.arrive(q_free.index(J), count=1)
                     q_held = 0
-                mbarrier.arrive(empty.index(prev), count=1)
                 is_edge = (t < n_full_lo) | (t >= n_full_hi)
                 offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
                                                    d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(empty.index(prev), count=1)
                 # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
