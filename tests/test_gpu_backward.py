@@ -355,16 +355,16 @@ def _gluon_config(D, Dv, dtype, persistent=False):
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
 def test_gluon_backward_is_the_default_and_builds():
-    """Head dims padded to 128 in 2-byte dtypes take both Gluon kernels by default, head dim 64 the Gluon dQ
-    kernel only, and they build (no warning)."""
+    """Head dims padded to 64 or 128 in 2-byte dtypes take both Gluon kernels by default, and they build
+    (no warning)."""
     import warnings
 
     from flashrange.kernels.backward import default_config
 
     for D, Dv, dtype, want_dkdv, want_dq in (
             (128, 128, torch.bfloat16, True, True), (96, 96, torch.float16, True, True),
-            (64, 128, torch.bfloat16, True, True), (64, 64, torch.bfloat16, False, True),
-            (64, 64, torch.float16, False, True), (32, 32, torch.bfloat16, False, False),
+            (64, 128, torch.bfloat16, True, True), (64, 64, torch.bfloat16, True, True),
+            (64, 64, torch.float16, True, True), (32, 32, torch.bfloat16, False, False),
             (128, 128, torch.float32, False, False), (64, 64, torch.float32, False, False),
             (256, 256, torch.bfloat16, False, False)):
         cfg = default_config(D, Dv, dtype, torch.device(DEV))

@@ -486,13 +486,13 @@ def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: boo
     if dtype == torch.float32:
         return BwdConfig(32, 64, 4, 2, 64, 32, 4, 2) if d <= 128 else BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
     if d <= 64:
-        # On Hopper the Gluon dQ kernel was a little faster and the Gluon dK/dV kernel slower
-        # than the Triton ones (BENCHMARKS.md, seventh session).
-        gluon_dq = hopper and dtype.itemsize == 2 and pad_dim(D) == pad_dim(Dv) == 64
-        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dq=gluon_dq, persistent=gluon_dq)
+        # On Hopper both Gluon kernels, the dK/dV one walking 64-row query tiles: faster than
+        # the Triton ones on every mask timed (BENCHMARKS.md, seventh and tenth sessions).
+        gluon = hopper and dtype.itemsize == 2 and pad_dim(D) == pad_dim(Dv) == 64
+        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon, persistent=gluon)
     if d <= 128:
         # Padded to 128 on Hopper: the Gluon kernels (faster on every mask timed but dense
-        # full, BENCHMARKS.md sixth session); head dim 64 keeps the Triton ones (not timed).
+        # full in the sixth session, and 12-18% faster since, BENCHMARKS.md tenth session).
         gluon = hopper and dtype.itemsize == 2 and max(pad_dim(D), pad_dim(Dv)) == 128
         return BwdConfig(32, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon, persistent=gluon)
     return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
