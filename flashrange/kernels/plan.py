@@ -40,9 +40,10 @@ accumulators), the partition, one per merge level, the block scan and the
 block order. With at most :data:`SMALL_PLAN_SLICES` slots one program per half
 ranks every slot by counting and finishes instead (one launch), and with at
 most :data:`SMALL_PLAN_BLOCKS` blocks per axis it also does the block steps,
-with barriers in between: one launch for the whole plan. All scratch space is
-one int32 workspace; the counting, scans and ordering are quadratic only in
-the small cases and in the block count.
+with barriers in between (the scan in one tile, the order from one sort in
+registers): one launch for the whole plan. All scratch space is one int32
+workspace; the counting is quadratic only in the small cases, the separate
+block-order launch in the block count.
 
 The outputs are identical to :func:`flashrange.plan.build_plan_torch`, which
 the tests check. :func:`build_plan` picks the builder: these launches for CUDA
