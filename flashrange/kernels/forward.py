@@ -288,7 +288,9 @@ def _range_attn_fwd_kernel(
     # l = 0 exactly on rows no slice covers; a NaN l (NaN in a covered input) stays NaN.
     covered = l_i != 0.0
     l_safe = tl.where(covered, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    # One reciprocal per row, not one division per element (the GPU divides through its
+    # reciprocal unit, a few per clock).
+    out = acc * (1.0 / l_safe)[:, None]
     if IS_BF16_EMULATED:
         bits = out.to(tl.uint32, bitcast=True)
         out = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32, bitcast=True)

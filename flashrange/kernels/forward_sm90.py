@@ -429,7 +429,8 @@ def _consume_work(
 
     covered = l_i != 0.0
     l_safe = gl.where(covered, l_i, 1.0)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    # One reciprocal per row, not one division per element (kernels/forward.py).
+    out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
     lse = gl.where(covered, (m_i + gl.log2(l_safe)) * DEV_LN2, float("-inf"))
     offs_mo = h0 + gl.arange(0, HALF, layout=row_o)
     offs_dv = gl.arange(0, BLOCK_DV, layout=col_o)
