@@ -61,15 +61,24 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
 
 
 @gluon.jit
+def _probs(s, lse2, qk_scale2, scale, softcap, KEY_DIM: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
+    """``(p, th)``: a tile's probabilities from its scores and its rows' ``lse * log2(e)`` (broadcast along the
+    key dimension ``KEY_DIM``), and with softcap the capped scores' ``tanh`` that dS needs (else ``s``)."""
+    if HAS_SOFTCAP:
+        e = gl.exp2(s * (2.0 * DEV_LOG2E * scale / softcap))
+        th = 1.0 - 2.0 / (e + 1.0)
+        p = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, KEY_DIM))
+    else:
+        th = s
+        p = gl.exp2(s * qk_scale2 - gl.expand_dims(lse2, KEY_DIM))
+    return p, th
+
+
+@gluon.jit
 def _dkdv_scores(qkT, dpT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
                  HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
     """P^T and dS^T of one tile from its S^T and dP^T (keys by rows), masked at the slice's cells."""
-    if HAS_SOFTCAP:
-        e = gl.exp2(qkT * (2.0 * DEV_LOG2E * scale / softcap))
-        th = 1.0 - 2.0 / (e + 1.0)
-        pT = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 0))
-    else:
-        pT = gl.exp2(qkT * qk_scale2 - gl.expand_dims(lse2, 0))
+    pT, th = _probs(qkT, lse2, qk_scale2, scale, softcap, 0, HAS_SOFTCAP)
     is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
     if is_edge:
         pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), pT, 0.0)
@@ -470,12 +479,7 @@ def _slice_keys(slices_ptr, s, r0, r1, BLOCK_N: gl.constexpr):
 def _dq_scores(qk, dp, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi, qk_scale2, scale, softcap,
                col_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
     """dS of one tile from its S and dP (rows by keys), masked at the slice's cells."""
-    if HAS_SOFTCAP:
-        e = gl.exp2(qk * (2.0 * DEV_LOG2E * scale / softcap))
-        th = 1.0 - 2.0 / (e + 1.0)
-        p = gl.exp2(th * (softcap * DEV_LOG2E) - gl.expand_dims(lse2, 1))
-    else:
-        p = gl.exp2(qk * qk_scale2 - gl.expand_dims(lse2, 1))
+    p, th = _probs(qk, lse2, qk_scale2, scale, softcap, 1, HAS_SOFTCAP)
     is_edge = (c < f_lo) | (c + BLOCK_N > f_hi)
     if is_edge:
         offs_n = c + gl.arange(0, BLOCK_N, layout=col_s)
