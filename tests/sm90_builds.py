@@ -192,8 +192,7 @@ def plan_builds():
     from flashrange.kernels import plan as plan_mod
 
     out = []
-    for name, rows, T in (("one-launch", _docs(1000, 5), 1000), ("one-launch-1024-blocks", _docs(131072, 100), 131072),
-                          ("many-slices", _docs(40000, 300), 40000)):
+    for name, rows, T in (("one-launch", _docs(1000, 5), 1000), ("many-slices", _docs(40000, 300), 40000)):
         qr, kr, mt = _ranges(rows)
         rec = _Recorder()
         plan_mod.launch = rec

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashrange.kernels.plan as triton_plan
-from flashrange.constants import CAUSAL, FULL, PLAN_BLOCK
+from flashrange.constants import CAUSAL, PLAN_BLOCK
 from flashrange.kernels.plan import SMALL_PLAN_BLOCKS, SMALL_PLAN_SLICES
 from flashrange.kernels.plan import build_block_plan as build_plan
 from flashrange.plan import RangePlan, build_block_plan_torch
@@ -275,31 +275,6 @@ def test_few_slices_many_blocks_fuzz(monkeypatch):
         Tq, Tk = rng.randint(1, 400), rng.randint(1, 400)
         qr, kr, mt = _random_slices(rng, Tq, Tk, rng.choice([0, 1, rng.randint(0, 60)]), garbage=bool(it % 2))
         _assert_plans_equal(qr, kr, mt, Tq, Tk, (16, 32)[it % 2], what=it)
-
-
-def test_one_launch_orders_many_blocks_fuzz(monkeypatch):
-    """Up to SMALL_PLAN_BLOCKS blocks per axis the one launch also orders the blocks (an in-register sort):
-    hundreds of blocks, with runs of equal work (equal documents, a full mask: ties keep block order)."""
-    names = _launches(monkeypatch)
-    rng = random.Random(31)
-    T = 3001
-    equal = torch.tensor([[i * 100, i * 100 + 100] for i in range(30)], dtype=torch.int32)
-    cases = [(equal, equal.clone(), torch.full((30,), FULL, dtype=torch.int32), "equal documents"),
-             (torch.tensor([[0, T]], dtype=torch.int32), torch.tensor([[0, T]], dtype=torch.int32),
-              torch.tensor([FULL], dtype=torch.int32), "full")]
-    for it in range(6):
-        qr, kr, mt = _random_slices(rng, T, T, rng.randint(1, 70), garbage=bool(it % 2))
-        cases.append((qr, kr, mt, f"random {it}"))
-    plans = {}
-    for qr, kr, mt, what in cases:
-        names.clear()
-        plans[what] = _assert_plans_equal(qr, kr, mt, T, T, 8, what=what)
-        assert names == ["_plan_small_kernel"], (what, names)
-        assert sorted(plans[what].q_block_order.tolist()) == list(range(376)), what
-    # Full: every block of 8 rows holds 8 * T cells but the last (1 row): block order, the last one last.
-    assert plans["full"].q_block_order.tolist() == list(range(376))
-    # Equal documents of 100 tokens (full): each of blocks 0..374 holds 8 rows of 100 keys, row 3000 none.
-    assert plans["equal documents"].q_block_order.tolist() == list(range(376))
 
 
 def test_launch_count_grows_with_merge_levels_only(monkeypatch):

@@ -40,10 +40,9 @@ accumulators), the partition, one per merge level, the block scan and the
 block order. With at most :data:`SMALL_PLAN_SLICES` slots one program per half
 ranks every slot by counting and finishes instead (one launch), and with at
 most :data:`SMALL_PLAN_BLOCKS` blocks per axis it also does the block steps,
-with barriers in between (the scan in one tile, the order from one sort in
-registers): one launch for the whole plan. All scratch space is one int32
-workspace; the counting is quadratic only in the small cases, the separate
-block-order launch in the block count.
+with barriers in between: one launch for the whole plan. All scratch space is
+one int32 workspace; the counting, scans and ordering are quadratic only in
+the small cases and in the block count.
 
 The outputs are identical to :func:`flashrange.plan.build_plan_torch`, which
 the tests check. :func:`build_plan` picks the builder: these launches for CUDA
@@ -69,11 +68,10 @@ __all__ = [
 
 # Up to SMALL_PLAN_SLICES slots one program per half ranks them by counting
 # (O(S^2), serial in that program); up to SMALL_PLAN_BLOCKS blocks per axis it
-# also scans the blocks in one tile and orders them with one in-register sort,
-# else the block launches follow. Past these sizes the serial work costs more
-# than the launches it saves.
+# also orders the blocks (O(n_blocks^2)), else one block launch follows. Past
+# these sizes the serial work costs more than the launches it saves.
 SMALL_PLAN_SLICES = 128
-SMALL_PLAN_BLOCKS = 1024
+SMALL_PLAN_BLOCKS = 32
 
 # Slots per chunk: the unit of compaction and of the first (counting) sort.
 _BLOCK_C = 128
@@ -82,12 +80,6 @@ _BLOCK_F = 64
 # A "never visited" key and an "unset" block entry.
 _INVALID_KEY = tl.constexpr(1 << 62)
 _NO_SLICE = tl.constexpr(2**31 - 1)
-# The one-launch block order sorts (room - work) << _INDEX_BITS | block: a block's work
-# (covered cells, overlaps counted twice) is below 2**46 with at most SMALL_PLAN_SLICES
-# slices of at most 2**31 x PLAN_BLOCK cells each, and the index below 2**_INDEX_BITS.
-_INDEX_BITS = tl.constexpr(12)
-_INDEX_MASK = tl.constexpr((1 << 12) - 1)
-_WORK_ROOM = tl.constexpr(1 << 46)
 
 
 def _tiles(S):
@@ -367,26 +359,13 @@ def _order_tile(work_ptr, order_ptr, pid, n_blocks, BLOCK_B: tl.constexpr, BLOCK
     tl.store(order_ptr + rank, offs_b, mask=mask_b)
 
 
-@triton.jit
-def _order_sorted(work_ptr, order_ptr, n_blocks, BLOCK_O: tl.constexpr):
-    """``block_order`` of up to ``BLOCK_O`` blocks from one sort in registers (one program)."""
-    offs = tl.arange(0, BLOCK_O)
-    mask = offs < n_blocks
-    w = tl.load(work_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
-    # Heaviest first, equal work in block order: an ascending sort of (room - work, block);
-    # lanes past the last block sort after every real key.
-    key = tl.where(mask, ((_WORK_ROOM - 1 - w) << _INDEX_BITS) | offs.to(tl.int64), _INVALID_KEY)
-    key = tl.sort(key)
-    tl.store(order_ptr + offs, (key & _INDEX_MASK).to(tl.int32), mask=mask)
-
-
 # --- the single-launch plan (small masks) ---------------------------------------------------------
 
 
 @triton.jit
 def _small_half(qr_ptr, kr_ptr, mt_ptr, out_ptr, lo_ptr, hi_ptr, order_ptr, ws_ptr, S, Tq, Tk, nq, nk,
                 IS_TRANSPOSED: tl.constexpr, HAS_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
     first, starts, point, dc, dl = _block_arrays(ws_ptr, nq, nk, IS_TRANSPOSED)
     if IS_TRANSPOSED:
         n_blocks = nk
@@ -415,7 +394,8 @@ def _small_half(qr_ptr, kr_ptr, mt_ptr, out_ptr, lo_ptr, hi_ptr, order_ptr, ws_p
         tl.debug_barrier()
         _scan_blocks(first, starts, point, dc, dl, lo_ptr, hi_ptr, n_blocks, BLOCK_N)
         tl.debug_barrier()
-        _order_sorted(point, order_ptr, n_blocks, BLOCK_O)
+        for b0 in range(0, n_blocks, BLOCK_B):
+            _order_tile(point, order_ptr, b0 // BLOCK_B, n_blocks, BLOCK_B, BLOCK_N)
 
 
 # Slice counts and lengths change between calls; specializing on their values
@@ -425,16 +405,16 @@ def _plan_small_kernel(
     qr_ptr, kr_ptr, mt_ptr, q_out_ptr, q_lo_ptr, q_hi_ptr, q_order_ptr, k_out_ptr, k_lo_ptr, k_hi_ptr, k_order_ptr,
     ws_ptr, S, Tq, Tk, nq, nk,
     HAS_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid ``(2,)``: program 0 plans the query-major half, program 1 the key-major half
     (without ``HAS_BLOCKS``, up to the block accumulators: the block launches follow)."""
     if tl.program_id(0) == 0:
         _small_half(qr_ptr, kr_ptr, mt_ptr, q_out_ptr, q_lo_ptr, q_hi_ptr, q_order_ptr, ws_ptr, S, Tq, Tk, nq, nk,
-                    False, HAS_BLOCKS, BLOCK, BLOCK_S, BLOCK_T, BLOCK_O, BLOCK_N)
+                    False, HAS_BLOCKS, BLOCK, BLOCK_S, BLOCK_T, BLOCK_B, BLOCK_N)
     else:
         _small_half(qr_ptr, kr_ptr, mt_ptr, k_out_ptr, k_lo_ptr, k_hi_ptr, k_order_ptr, ws_ptr, S, Tq, Tk, nq, nk,
-                    True, HAS_BLOCKS, BLOCK, BLOCK_S, BLOCK_T, BLOCK_O, BLOCK_N)
+                    True, HAS_BLOCKS, BLOCK, BLOCK_S, BLOCK_T, BLOCK_B, BLOCK_N)
 
 
 # --- the general plan ----------------------------------------------------------------------------
@@ -716,12 +696,11 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK):
         # Tiles no wider than the problem: one program walks them all in turn.
         s_tile = max(16, min(32, triton.next_power_of_2(S)))
         t_tile = max(16, min(64, triton.next_power_of_2(S)))
-        # The block steps in one tile (the scan and the sort see every block at once).
-        o_tile = max(16, triton.next_power_of_2(n_max)) if has_blocks else 16
-        n_tile = max(16, min(SMALL_PLAN_BLOCKS, triton.next_power_of_2(n_max + 1)))
+        b_tile = 16
+        n_tile = max(16, min(128, triton.next_power_of_2(n_max + 1)))
         launch(_plan_small_kernel, (2,),
                (qr, kr, mt, q_slices, q_lo, q_hi, q_order, k_slices, k_lo, k_hi, k_order, ws,
-                S, Tq, Tk, nq, nk, has_blocks, block, s_tile, t_tile, o_tile, n_tile))
+                S, Tq, Tk, nq, nk, has_blocks, block, s_tile, t_tile, b_tile, n_tile))
         if not has_blocks:
             _launch_blocks(plan, ws, nq, nk)
         return plan
