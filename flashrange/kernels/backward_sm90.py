@@ -26,7 +26,9 @@ warpgroups each own half of the program's block, with registers split
   row the slice covers, so a NaN in an uncovered row of q or dO cannot reach
   a gradient through a zero probability. Per tile each consumer computes
   ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dS^T`` and
-  ``dK += dS^T Q``, then releases the slot.
+  ``dK += dS^T Q``; a tile's dV and dK matmuls are issued with the next tile's
+  ``S^T`` and ``dP^T`` and run under its element-wise work, and the slot is released
+  once they are done (the dQ kernel overlaps its dQ matmul the same way).
 - dQ: a program owns ``BLOCK_M`` query rows of one head; the producer loads
   its q halves once, then each slice's K/V tiles, with descriptors ending at
   the slice's last key; dO and O come through pointer loads so that rows no
@@ -252,8 +254,8 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
-            # The four matmuls of a tile in two batches, one wait each (not four): S and dP, then
-            # dV and dK. An accumulator still in flight cannot be carried to the next tile.
+            # This tile's S^T and dP^T in one batch, then the previous tile's dV and dK in another;
+            # both are waited for within this iteration (an accumulator in flight cannot be carried).
             qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
             # An async accumulator cannot leave a branch: each branch waits for what it issued.
@@ -575,7 +577,7 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
             c = n_lo + t * BLOCK_N
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             k_tile = k_smem.index(slot)
-            # S and dP in one batch, one wait (as in the dK/dV kernel).
+            # This tile's S and dP in one batch, then the previous tile's dQ (as in the dK/dV kernel).
             qk = warpgroup_mma(q_half, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # An async accumulator cannot leave a branch: each branch waits for what it issued.

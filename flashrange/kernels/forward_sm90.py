@@ -23,7 +23,8 @@ warp-specialized:
   ``P @ V`` for every tile, then release the slot. While one runs its
   softmax, the other's matmuls keep the tensor cores busy. With
   ``IS_PINGPONG`` (the default config) they take turns issuing their
-  matmuls in blocks ``[P_{t-1} V_{t-1}, S_t]`` through a pair of mbarriers;
+  matmuls in blocks ``[S_t, P_{t-1} V_{t-1}]`` through a pair of mbarriers
+  (a consumer's softmax of ``S_t`` runs while its ``P_{t-1} V_{t-1}`` is in flight);
   without it they run freely and wait only on the producer;
 - registers are split unevenly (``setmaxnreg``): 240 per consumer thread,
   24 for the producer.
@@ -259,7 +260,7 @@ def _consume_tiles(
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     if IS_PINGPONG:
         if n_tiles > 0:
-            # Matmul blocks [S_0], [P_0 V_0, S_1], ..., [P_{n-1} V_{n-1}]: the two warpgroups
+            # Matmul blocks [S_0], [S_1, P_0 V_0], ..., [P_{n-1} V_{n-1}]: the two warpgroups
             # take turns issuing them, so one's softmax runs under the other's matmuls.
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
