@@ -1,0 +1,72 @@
+"""Build the backward's kernels for sm_90 without a GPU, for any ``BwdConfig``: registers and stack per kernel.
+
+    TRITON_INTERPRET=0 python scripts/build_bwd_sm90.py D DV "kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]" ...
+
+``flags``: any of ``dkdv``, ``dq``, ``persistent`` joined by ``+`` (the Gluon kernels). Reuses the recorder
+and the resource report of ``tests/sm90_builds.py``; a stack above 0 B means spilled registers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import sm90_builds as sb  # noqa: E402
+
+
+def config_of(spec: str):
+    from flashrange.kernels.backward import BwdConfig
+
+    parts = spec.split(",")
+    nums = [int(x) for x in parts[:8]]
+    flags = set(parts[8].split("+")) if len(parts) > 8 else set()
+    return BwdConfig(*nums, gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags, persistent="persistent" in flags)
+
+
+def main(argv):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashrange import plan_mask
+    from flashrange.kernels import backward as bwd
+
+    D, Dv = int(argv[0]), int(argv[1])
+    target = GPUTarget("cuda", 90, 32)
+    for spec in argv[2:]:
+        config = config_of(spec)
+        T, Hq, dtype = 300, 4, torch.bfloat16
+        q, k, v = sb._qkv(T, Hq, D, Dv, dtype, False)
+        o = torch.empty(T, Hq, Dv, dtype=dtype)
+        qr, kr, mt = sb._ranges(sb._docs(T, 3))
+        plan = plan_mask(qr, kr, mt, T, T)
+        bwd._has_gluon_sm90 = lambda index=None: True
+        rec = sb._Recorder()
+        bwd.launch = rec
+        bwd.range_attention_backward_triton(o, q, k, v, o, torch.empty(T, Hq), qr, kr, mt, D ** -0.5, 0.0, None,
+                                            plan=plan, config=config)
+        for kernel, args, num_warps, num_stages, maxnreg in rec.launches:
+            sig, consts = sb._signature(kernel, args)
+            options = {"num_warps": num_warps}
+            if num_stages is not None:
+                options["num_stages"] = num_stages
+            if maxnreg is not None:
+                options["maxnreg"] = maxnreg
+            t0 = time.perf_counter()
+            source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+            try:
+                compiled = triton.compile(source(fn=kernel, signature=sig, constexprs=consts), target=target,
+                                          options=options)
+                print(f"ok   {spec}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, shared memory "
+                      f"{compiled.metadata.shared} B{sb._resources(compiled.asm['cubin'])})", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"FAIL {spec}: {kernel.__name__}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
