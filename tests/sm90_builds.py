@@ -164,6 +164,7 @@ def backward_builds():
         ("d96-fp16-gluon", 96, 96, torch.float16, 0.0, False, False),
         ("d64-dv128-bf16-gluon", 64, 128, torch.bfloat16, 0.0, False, False),
         ("d64-bf16-softcap-gluon", 64, 64, torch.bfloat16, 30.0, False, False),
+        ("d64-bf16-gluon", 64, 64, torch.bfloat16, 0.0, False, False),
     ]
     for name, D, Dv, dtype, softcap, with_dlse, int64 in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
@@ -177,7 +178,7 @@ def backward_builds():
         dlse = torch.empty(T, Hq) if with_dlse else None
         qr, kr, mt = _ranges(_docs(T, 3))
         plan = plan_mask(qr, kr, mt, T, T)
-        config = bwd.default_config(D, Dv, dtype, torch.device("cuda"))
+        config = bwd.default_config(D, Dv, dtype, torch.device("cuda"), softcap=softcap != 0)
         assert config.gluon_dkdv == name.endswith("-gluon"), (name, config)
         rec = _Recorder()
         bwd.launch = rec

@@ -373,9 +373,10 @@ def test_gluon_backward_is_the_default_and_builds():
         assert cfg.persistent == (want_dkdv or want_dq), (D, Dv, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        for D in (128, 64):
+        # With and without a softcap: at head dim 64 they take different dQ tiles.
+        for D, softcap in ((128, 20.0), (64, 20.0), (64, 0.0)):
             _three_way(1031, 1031, 4, 2, D, D, [(0, 1031, 0, 1031, CAUSAL), (100, 700, 0, 300, FULL)],
-                       torch.bfloat16, softcap=20.0, seed=3)
+                       torch.bfloat16, softcap=softcap, seed=3)
 
 
 class _Unbuildable:

@@ -178,3 +178,15 @@ def test_default_paths_unchanged_for_existing_head_dims():
     cuda = torch.device("cuda")
     assert kbwd.default_config(128, 128, torch.bfloat16, cuda) == kbwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
     assert kbwd.default_config(256, 256, torch.bfloat16, cuda) == kbwd.BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
+
+
+@pytest.mark.parametrize("softcap", [False, True], ids=["no-softcap", "softcap"])
+def test_hopper_backward_default_at_head_dim_64(softcap):
+    """On Hopper (asked without one), head dim 64 takes both Gluon kernels; the dQ kernel walks 128-key tiles
+    except with a softcap (64-key tiles, the same bits); elsewhere the Triton kernels' 64-key tiles."""
+    want_n = 64 if softcap else 128
+    hopper = kbwd._default_config(64, 64, torch.bfloat16, True, True, softcap)
+    assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, want_n, 8, 3, gluon_dkdv=True, gluon_dq=True,
+                                    persistent=True)
+    other = kbwd._default_config(64, 64, torch.bfloat16, True, False, softcap)
+    assert other == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)

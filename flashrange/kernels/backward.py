@@ -453,10 +453,11 @@ class BwdConfig:
                              "too, or leave persistent False")
 
 
-def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> BwdConfig:
-    """The launch shape used for head dims ``D``/``Dv`` and ``dtype`` on ``device``."""
+def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device, *, softcap: bool = False) -> BwdConfig:
+    """The launch shape used for head dims ``D``/``Dv`` and ``dtype`` on ``device`` (``softcap``: whether the
+    call has one; it changes only tile shapes that give the same bits)."""
     cuda = device.type == "cuda"
-    return _default_config(D, Dv, dtype, cuda, cuda and _has_gluon_sm90(device.index))
+    return _default_config(D, Dv, dtype, cuda, cuda and _has_gluon_sm90(device.index), softcap)
 
 
 # Set when a Gluon backward kernel failed to build here: every later call takes the Triton kernels.
@@ -470,7 +471,7 @@ def _has_gluon_sm90(device_index) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: bool) -> BwdConfig:
+def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: bool, softcap: bool = False) -> BwdConfig:
     if not cuda:
         # The interpreter: small tiles, so that small test shapes still cross
         # several tiles, masked and unmasked.
@@ -487,9 +488,14 @@ def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: boo
         return BwdConfig(32, 64, 4, 2, 64, 32, 4, 2) if d <= 128 else BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
     if d <= 64:
         # On Hopper both Gluon kernels, the dK/dV one walking 64-row query tiles: faster than
-        # the Triton ones on every mask timed (BENCHMARKS.md, seventh and tenth sessions).
+        # the Triton ones on every mask timed (BENCHMARKS.md, seventh and tenth sessions); the
+        # dQ one walking 128-key tiles (the same bits as 64-key tiles, whose matmuls add in the same
+        # order; faster on both masks timed, eleventh session) unless there is a softcap, whose
+        # build with 128-key tiles spills far more (tests/sm90_builds.py). The Triton dQ kernel
+        # keeps 64-key tiles (not timed with 128).
         gluon = hopper and dtype.itemsize == 2 and pad_dim(D) == pad_dim(Dv) == 64
-        return BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon, persistent=gluon)
+        return BwdConfig(64, 128, 8, 3, 128, 128 if gluon and not softcap else 64, 8, 3, gluon_dkdv=gluon,
+                         gluon_dq=gluon, persistent=gluon)
     if d <= 128:
         # Padded to 128 on Hopper: the Gluon kernels (faster on every mask timed but dense
         # full in the sixth session, and 12-18% faster since, BENCHMARKS.md tenth session).
@@ -521,7 +527,7 @@ def range_attention_backward_triton(
     if Tq == 0 or Tk == 0 or Hq == 0 or D == 0 or Dv == 0 or mask_types.numel() == 0:
         return _zeros(q, k, v)
     if config is None:
-        cfg = default_config(D, Dv, q.dtype, q.device)
+        cfg = default_config(D, Dv, q.dtype, q.device, softcap=softcap != 0)
     elif isinstance(config, BwdConfig):
         cfg = config
         if (cfg.gluon_dkdv or cfg.gluon_dq) and not _has_gluon_sm90(q.device.index if q.device.type == "cuda" else None):
