@@ -3,7 +3,8 @@
     TRITON_INTERPRET=0 python scripts/build_bwd_sm90.py D DV "kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]" ...
 
 ``flags``: any of ``dkdv``, ``dq``, ``persistent`` joined by ``+`` (the Gluon kernels). Reuses the recorder
-and the resource report of ``tests/sm90_builds.py``; a stack above 0 B means spilled registers.
+and the resource report of ``tests/sm90_builds.py``. With ``DUMP_DIR`` set, each build's cubin and PTX go
+there (``cuobjdump -sass`` of the cubin shows spills as ``STL`` / ``LDL``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ def main(argv):
                                           options=options)
                 print(f"ok   {spec}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, shared memory "
                       f"{compiled.metadata.shared} B{sb._resources(compiled.asm['cubin'])})", flush=True)
+                dump = os.environ.get("DUMP_DIR")
+                if dump:
+                    os.makedirs(dump, exist_ok=True)
+                    stem = os.path.join(dump, f"{kernel.__name__}_{spec.replace(',', '_').replace('+', '_')}")
+                    with open(stem + ".cubin", "wb") as f:
+                        f.write(compiled.asm["cubin"])
+                    with open(stem + ".ptx", "w") as f:
+                        f.write(compiled.asm["ptx"])
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"FAIL {spec}: {kernel.__name__}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
 

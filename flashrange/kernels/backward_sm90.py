@@ -38,10 +38,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
-from .sm90_common import bounded_desc, issue_run, load_slice, nth_work, packed_qkv, tma_load
+from .sm90_common import bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -63,6 +64,13 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
 
 
 @gluon.jit
+def _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi):
+    """``_cell`` of a (rows x keys) tile."""
+    diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
+    return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 0) & (diag <= d_hi) & (diag >= d_lo)
+
+
+@gluon.jit
 def _probs(s, lse2, qk_scale2, scale, softcap, KEY_DIM: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
     """``(p, th)``: a tile's probabilities from its scores and its rows' ``lse * log2(e)`` (broadcast along the
     key dimension ``KEY_DIM``), and with softcap the capped scores' ``tanh`` that dS needs (else ``s``)."""
@@ -74,6 +82,26 @@ def _probs(s, lse2, qk_scale2, scale, softcap, KEY_DIM: gl.constexpr, HAS_SOFTCA
         th = s
         p = gl.exp2(s * qk_scale2 - gl.expand_dims(lse2, KEY_DIM))
     return p, th
+
+
+@gluon.jit
+def _pair_geometry(slices_ptr, s, c0, c1, BLOCK_M: gl.constexpr):
+    """What a dK/dV consumer needs of slice ``s`` for keys ``[c0, c1)``: ``(ks, ke, m_lo, m_hi, n_tiles, f_lo, f_hi,
+    d_lo, d_hi)``, its tiles from row ``m_lo``, the rows ``[f_lo, f_hi)`` that read every key of the block and its
+    diagonal bounds."""
+    qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
+    has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
+    # Rows that read every key of the whole block form one run [f_lo, f_hi) (as in the Triton kernel).
+    f_lo = gl.where(has_upper, gl.maximum(qs, c1 - 1 - d_max), qs)
+    f_hi = gl.where(has_lower, gl.minimum(qe, c0 - d_min + 1), qe)
+    f_lo = gl.minimum(gl.maximum(f_lo, m_lo), m_hi)
+    f_hi = gl.minimum(gl.maximum(f_hi, f_lo), m_hi)
+    keys_inside = (c0 >= ks) & (c1 <= ke)
+    f_lo = gl.where(keys_inside, f_lo, m_hi)
+    f_hi = gl.where(keys_inside, f_hi, m_hi)
+    d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
+    d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+    return ks, ke, m_lo, m_hi, n_tiles, f_lo, f_hi, d_lo, d_hi
 
 
 @gluon.jit
@@ -95,6 +123,23 @@ def _dkdv_scores(qkT, dpT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d
 
 
 @gluon.jit
+def _dkdv_scores_rows(s, dp, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
+                      HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """``_dkdv_scores`` of a tile held by rows (``S`` and ``dP``, rows by keys): ``P`` and ``dS``."""
+    p, th = _probs(s, lse2, qk_scale2, scale, softcap, 1, HAS_SOFTCAP)
+    is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
+    if is_edge:
+        p = gl.where(_cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi), p, 0.0)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - th * th)
+    if is_edge:
+        # As in _dkdv_scores: a NaN in v of a key these rows do not read must not reach its dK.
+        ds = gl.where(_cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi), ds, 0.0)
+    return p, ds
+
+
+@gluon.jit
 def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_b, packed, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                        HAS_PACKED_HEADS: gl.constexpr):
@@ -104,7 +149,7 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
     descriptors. Returns them advanced. ``packed``: the program's k, v, q, dO descriptors over
     ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty = smem
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     pid_hk, c0, c1, s_lo, s_hi = work
@@ -150,7 +195,7 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
 @gluon.jit
 def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              HAS_PACKED_HEADS: gl.constexpr):
+              HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -183,13 +228,37 @@ def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
 
 
 @gluon.jit
+def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k: gl.constexpr, mma_v: gl.constexpr, HALF: gl.constexpr,
+                BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr):
+    """A consumer's keys ``[n0, n0 + HALF)`` of dK (scaled here) and dV."""
+    dk_ptr, dv_ptr = ptrs[5], ptrs[6]
+    (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    dk = dk * scale
+    key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
+    col_k: gl.constexpr = gl.SliceLayout(0, mma_k)
+    key_v: gl.constexpr = gl.SliceLayout(1, mma_v)
+    col_v: gl.constexpr = gl.SliceLayout(0, mma_v)
+    hk = pid_hk.to(gl.int64)
+    rows_k = (n0 + gl.arange(0, HALF, layout=key_k)).to(gl.int64)
+    cols_k = gl.arange(0, BLOCK_D, layout=col_k)
+    gl.store(dk_ptr + hk * stride_dkh + gl.expand_dims(rows_k * stride_dkt, 1) + gl.expand_dims(cols_k, 0),
+             dk.to(dtype), mask=gl.expand_dims(rows_k < Tk, 1) & gl.expand_dims(cols_k < D, 0))
+    rows_v = (n0 + gl.arange(0, HALF, layout=key_v)).to(gl.int64)
+    cols_v = gl.arange(0, BLOCK_DV, layout=col_v)
+    gl.store(dv_ptr + hk * stride_dvh + gl.expand_dims(rows_v * stride_dvt, 1) + gl.expand_dims(cols_v, 0),
+             dv.to(dtype), mask=gl.expand_dims(rows_v < Tk, 1) & gl.expand_dims(cols_v < DV, 0))
+
+
+@gluon.jit
 def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        STAGES: gl.constexpr, J: gl.constexpr):
     """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
     returns ``it`` advanced. The K and V halves are released after their last matmul."""
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty = smem
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     pid_hk, c0, c1, s_lo, s_hi = work
@@ -227,18 +296,7 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         h = (pid_hk * G + sg - s * G).to(gl.int64)
-        qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
-        has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
-        # Rows that read every key of the whole block form one run [f_lo, f_hi) (as in the Triton kernel).
-        f_lo = gl.where(has_upper, gl.maximum(qs, c1 - 1 - d_max), qs)
-        f_hi = gl.where(has_lower, gl.minimum(qe, c0 - d_min + 1), qe)
-        f_lo = gl.minimum(gl.maximum(f_lo, m_lo), m_hi)
-        f_hi = gl.minimum(gl.maximum(f_hi, f_lo), m_hi)
-        keys_inside = (c0 >= ks) & (c1 <= ke)
-        f_lo = gl.where(keys_inside, f_lo, m_hi)
-        f_hi = gl.where(keys_inside, f_hi, m_hi)
-        d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
-        d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
+        ks, ke, m_lo, m_hi, n_tiles, f_lo, f_hi, d_lo, d_hi = _pair_geometry(slices_ptr, s, c0, c1, BLOCK_M)
         delta_head_ptr = ws_ptr + h * Tq
         lse2_head_ptr = lse2_ptr + h * Tq
         is_last_pair = sg == s_hi * G - 1
@@ -287,27 +345,112 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
         mbarrier.arrive(empty.index(p_slot), count=1)
 
-    dk = dk * scale
-    key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
-    col_k: gl.constexpr = gl.SliceLayout(0, mma_k)
-    key_v: gl.constexpr = gl.SliceLayout(1, mma_v)
-    col_v: gl.constexpr = gl.SliceLayout(0, mma_v)
-    hk = pid_hk.to(gl.int64)
-    rows_k = (n0 + gl.arange(0, HALF, layout=key_k)).to(gl.int64)
-    cols_k = gl.arange(0, BLOCK_D, layout=col_k)
-    gl.store(dk_ptr + hk * stride_dkh + gl.expand_dims(rows_k * stride_dkt, 1) + gl.expand_dims(cols_k, 0),
-             dk.to(dtype), mask=gl.expand_dims(rows_k < Tk, 1) & gl.expand_dims(cols_k < D, 0))
-    rows_v = (n0 + gl.arange(0, HALF, layout=key_v)).to(gl.int64)
-    cols_v = gl.arange(0, BLOCK_DV, layout=col_v)
-    gl.store(dv_ptr + hk * stride_dvh + gl.expand_dims(rows_v * stride_dvt, 1) + gl.expand_dims(cols_v, 0),
-             dv.to(dtype), mask=gl.expand_dims(rows_v < Tk, 1) & gl.expand_dims(cols_v < DV, 0))
+    _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k, mma_v, HALF, BLOCK_D, BLOCK_DV)
+    return it
+
+
+@gluon.jit
+def _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                            STAGES: gl.constexpr, J: gl.constexpr):
+    """``_consume_dkdv_work`` with the scores held by rows: per tile ``S = Q K^T`` and ``dP = dO V^T`` (rows by
+    this warpgroup's keys, so each thread keeps two rows' lse and delta), then ``P`` and ``dS`` go through
+    shared memory, transposed there, as the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``. With
+    ``BLOCK_M`` rows as wide as the warpgroup's keys, every score matmul is ``HALF`` wide where the keys-by-rows
+    kernel's are ``BLOCK_M`` wide. Same accumulation order per key: the sums over each tile's rows run inside
+    one matmul in both."""
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
+    (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
+    pid_hk, c0, c1, s_lo, s_hi = work
+    HALF: gl.constexpr = BLOCK_N // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HALF, 16])
+    mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_D, 16])
+    mma_v: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_DV, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    key_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    qk_scale2 = scale * DEV_LOG2E
+    n0 = c0 + J * HALF
+    offs_n = n0 + gl.arange(0, HALF, layout=key_s)
+    dk = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_k)
+    dv = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_v)
+    k_half = k_smem.index(J)
+    v_half = v_smem.index(J)
+    # This warpgroup's P and dS of the last tile ([BLOCK_M, HALF] each), read transposed by its dV / dK matmuls.
+    p_buf = ps_smem.index(2 * J)
+    ds_buf = ps_smem.index(2 * J + 1)
+    lse2_ptr = ws_ptr + Hq.to(gl.int64) * Tq
+    kv_held = 1
+    # As in _consume_dkdv_work: a tile's dV / dK matmuls run under the next tile's element-wise work. Its P and
+    # dS are written over the last tile's only after those matmuls are done.
+    pending = 0
+    p_slot = 0
+    for sg in range(s_lo * G, s_hi * G):
+        s = sg // G
+        h = (pid_hk * G + sg - s * G).to(gl.int64)
+        ks, ke, m_lo, m_hi, n_tiles, f_lo, f_hi, d_lo, d_hi = _pair_geometry(slices_ptr, s, c0, c1, BLOCK_M)
+        delta_head_ptr = ws_ptr + h * Tq
+        lse2_head_ptr = lse2_ptr + h * Tq
+        is_last_pair = sg == s_hi * G - 1
+        for t in range(n_tiles):
+            cur = it + t
+            slot = cur % STAGES
+            r = m_lo + t * BLOCK_M
+            offs_m = r + gl.arange(0, BLOCK_M, layout=row_s)
+            mask_m = offs_m < m_hi
+            lse2 = gl.load(lse2_head_ptr + offs_m, mask=mask_m, other=float("inf"))
+            delta = gl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
+            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+            q_tile = q_smem.index(slot)
+            do_tile = do_smem.index(slot)
+            # Fresh zeros per tile: a zero tile kept across the loop would hold registers throughout.
+            qk = warpgroup_mma(q_tile, k_half.permute((1, 0)), gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_s),
+                               use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_tile, v_half.permute((1, 0)), gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_s),
+                               use_acc=False, is_async=True)
+            if pending == 1:
+                dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
+                dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
+                sv, dpv = warpgroup_mma_wait(2, deps=(qk, dp))
+                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                          qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(p_slot), count=1)
+            else:
+                sv, dpv = warpgroup_mma_wait(0, deps=(qk, dp))
+                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                          qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+            if is_last_pair & (t == n_tiles - 1):
+                mbarrier.arrive(kv_free.index(J), count=1)
+                kv_held = 0
+            p_buf.store(p.to(dtype))
+            ds_buf.store(ds.to(dtype))
+            # Every thread's stores reach the matmuls' (async) reads: a proxy fence, then the warpgroup's barrier.
+            fence_async_shared()
+            cta_barrier()
+            pending = 1
+            p_slot = slot
+        it += n_tiles
+    if kv_held == 1:
+        mbarrier.arrive(kv_free.index(J), count=1)
+    if pending == 1:
+        dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
+        dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(p_slot), count=1)
+    _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k, mma_v, HALF, BLOCK_D, BLOCK_DV)
     return it
 
 
 @gluon.jit
 def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              J: gl.constexpr):
+              IS_BY_ROWS: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
@@ -321,17 +464,21 @@ def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
         if w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             mbarrier.wait(kv_ready.index(J), wi & 1)
-            it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                                    STAGES, J)
+            if IS_BY_ROWS:
+                it = _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                             HAS_SOFTCAP, STAGES, J)
+            else:
+                it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                        HAS_SOFTCAP, STAGES, J)
             wi += 1
 
 
 @gluon.jit
 def _consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                HAS_PACKED_HEADS: gl.constexpr):
+                HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
-    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 1)
+    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, IS_BY_ROWS, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -357,8 +504,15 @@ def bwd_dkdv_sm90_kernel(
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
 
+    # 64-row tiles at head dim 128: the scores by rows (_consume_dkdv_work_rows), P and dS through shared memory.
+    IS_BY_ROWS: gl.constexpr = (BLOCK_M == HALF) and (max(BLOCK_D, BLOCK_DV) == 128)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
+    if IS_BY_ROWS:
+        ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(HALF * 2, 128), element_bitwidth=16)
+        ps_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], ps_layout)
+    else:
+        ps_smem = 0
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], d_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DV], dv_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -375,15 +529,16 @@ def bwd_dkdv_sm90_kernel(
     # Runtime values only in the tuple variables (a constexpr stored in one reaches the partitions as a tensor).
     ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr,
                                                                              block_order_ptr))
-    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty)
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem)
     scalars = (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
     gl.warp_specialize([
-        (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, 0)),
+        (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+                     IS_BY_ROWS, 0)),
         (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS)),
+                       HAS_PACKED_HEADS, IS_BY_ROWS)),
         (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS)),
+                     HAS_PACKED_HEADS, IS_BY_ROWS)),
     ], [4, 1], [240, 24])
 
 

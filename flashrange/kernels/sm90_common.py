@@ -27,11 +27,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["bounded_desc", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work", "packed_qkv",
-           "tma_load", "wait_tiles_landed"]
+__all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work",
+           "packed_qkv", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# And its barrier of the threads of a program (``thread_barrier`` up to Triton 3.6, ``barrier`` later); inside a
+# warp-specialized partition it synchronizes that partition's warps.
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
