@@ -123,19 +123,29 @@ def _dkdv_scores(qkT, dpT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d
 
 
 @gluon.jit
-def _dkdv_scores_rows(s, dp, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
-                      HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
+def _opaque(x):
+    """``x``, through an instruction the compiler cannot move out of a loop (see ``_dkdv_scores_rows``)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dkdv_scores_rows(s, dp, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
+                      key_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
     """``_dkdv_scores`` of a tile held by rows (``S`` and ``dP``, rows by keys): ``P`` and ``dS``."""
+    HALF: gl.constexpr = s.shape[1]
     p, th = _probs(s, lse2, qk_scale2, scale, softcap, 1, HAS_SOFTCAP)
-    is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
-    if is_edge:
-        p = gl.where(_cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi), p, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 1))
     if HAS_SOFTCAP:
         ds = ds * (1.0 - th * th)
+    is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
     if is_edge:
-        # As in _dkdv_scores: a NaN in v of a key these rows do not read must not reach its dK.
-        ds = gl.where(_cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi), ds, 0.0)
+        # The keys' vector is rebuilt here, per tile: held across the loop (where the compiler would hoist it)
+        # it costs a register per key column the thread owns. Masking P and dS at the end gives the same values
+        # as masking P before dS: a masked cell's dS is zero either way (a NaN of v included).
+        offs_n = _opaque(n0) + gl.arange(0, HALF, layout=key_s)
+        cell = _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi)
+        p = gl.where(cell, p, 0.0)
+        ds = gl.where(cell, ds, 0.0)
     return p, ds
 
 
@@ -376,7 +386,6 @@ def _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr
     key_s: gl.constexpr = gl.SliceLayout(0, mma_s)
     qk_scale2 = scale * DEV_LOG2E
     n0 = c0 + J * HALF
-    offs_n = n0 + gl.arange(0, HALF, layout=key_s)
     dk = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_k)
     dv = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_v)
     k_half = k_smem.index(J)
@@ -417,14 +426,14 @@ def _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr
                 dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
                 dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
                 sv, dpv = warpgroup_mma_wait(2, deps=(qk, dp))
-                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                          qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                          qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(p_slot), count=1)
             else:
                 sv, dpv = warpgroup_mma_wait(0, deps=(qk, dp))
-                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                          qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                          qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
             if is_last_pair & (t == n_tiles - 1):
                 mbarrier.arrive(kv_free.index(J), count=1)
                 kv_held = 0
