@@ -478,6 +478,38 @@ def test_gluon_backward_persistent_grid_is_bitwise_the_same():
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize(
+    "D, Dv, Hq, Hkv, softcap, layout",
+    [
+        pytest.param(128, 128, 8, 2, 0.0, "packed", id="d128-gqa"),
+        pytest.param(128, 128, 4, 4, 20.0, "packed", id="d128-softcap"),
+        pytest.param(128, 128, 4, 2, 0.0, "padded-heads", id="d128-per-head-descriptors"),
+        pytest.param(96, 96, 4, 2, 0.0, "packed", id="d96"),
+        pytest.param(64, 128, 4, 2, 0.0, "packed", id="d64-dv128"),
+    ],
+)
+def test_gluon_dkdv_by_rows_is_bitwise_the_same(D, Dv, Hq, Hkv, softcap, layout):
+    """The dK/dV kernel with 64-row tiles held by rows (P and dS through shared memory) gives the bits of
+    32-row tiles held by keys: per key, the same additions in the same order."""
+    import dataclasses
+
+    T = 3001
+    rows = (_docs(T, 19, 8) + [(100, 2000, 50, 1900, FULL), (2000, 3001, 2000, 2900, INV_CAUSAL)]
+            + short_slice_rows(T, T, 120, random.Random(8)))
+    cfg = _gluon_config(D, Dv, torch.bfloat16, persistent=True)
+    keys_cfg = dataclasses.replace(cfg, kv_block_m=32)
+    rows_cfg = dataclasses.replace(cfg, kv_block_m=64)
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
+        T, T, Hq, Hkv, D, Dv, rows, torch.bfloat16, softcap=softcap, seed=9, golden=False, config=keys_cfg)
+    args = [do, q, k, v]
+    if layout == "padded-heads":
+        args = [heads_padded_view(t) for t in args]
+    got = range_attention_backward_triton(*args, out, lse, qr, kr, mt, None, softcap, dlse, config=rows_cfg)
+    for a, b in zip((dq, dk, dv), got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
 @pytest.mark.parametrize("kind", ["docs", "short"])
 def test_gluon_backward_packed_heads_is_bitwise_the_same(kind):
     """Heads side by side in each row (one descriptor per tensor, bounded ones only where a slice's last

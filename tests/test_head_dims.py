@@ -180,6 +180,17 @@ def test_default_paths_unchanged_for_existing_head_dims():
     assert kbwd.default_config(256, 256, torch.bfloat16, cuda) == kbwd.BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
+@pytest.mark.parametrize("D, Dv, rows", [(128, 128, 64), (96, 96, 32), (64, 128, 32), (128, 64, 32)],
+                         ids=["d128", "d96", "d64-dv128", "d128-dv64"])
+def test_hopper_backward_default_at_head_dim_128(D, Dv, rows):
+    """On Hopper (asked without one), head dims padded to 128 take both Gluon kernels; the dK/dV kernel walks
+    64-row tiles (held by rows) when D = Dv = 128, 32-row tiles otherwise; elsewhere the Triton kernels."""
+    hopper = kbwd._default_config(D, Dv, torch.bfloat16, True, True)
+    assert hopper == kbwd.BwdConfig(rows, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True)
+    assert kbwd._default_config(D, Dv, torch.bfloat16, True, False) == kbwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
+    assert kbwd._default_config(D, Dv, torch.float32, True, True).gluon_dkdv is False
+
+
 @pytest.mark.parametrize("softcap", [False, True], ids=["no-softcap", "softcap"])
 def test_hopper_backward_default_at_head_dim_64(softcap):
     """On Hopper (asked without one), head dim 64 takes both Gluon kernels; the dQ kernel walks 128-key tiles
