@@ -1,6 +1,6 @@
 """A/B of kernel variants and launch configs on the GPU, through the launchers with a plan built once.
 
-    python scripts/ab.py --cases causal-8k,doc128-32k \\
+    PYTHONPATH=. python scripts/ab.py --cases causal-8k,doc128-32k \\
         --fwd main:default --fwd v1:default --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent"
 
 A variant is ``PACKAGE:CONFIG``. ``PACKAGE`` is ``main`` (the checked-out flashrange) or a name exported by
@@ -25,13 +25,12 @@ import sys
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from flashrange.bench.cases import select
+from flashrange.bench.runner import make_inputs
+from flashrange.bench.timing import L2_FLUSH_BYTES
+from flashrange.reference import range_attention_backward, range_attention_forward
 
-from flashrange.bench.cases import select  # noqa: E402
-from flashrange.bench.runner import make_inputs  # noqa: E402
-from flashrange.bench.timing import L2_FLUSH_BYTES  # noqa: E402
-from flashrange.reference import range_attention_backward, range_attention_forward  # noqa: E402
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def package(name):

@@ -29,16 +29,10 @@ def config_of(spec: str):
 
 
 def main(argv):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from flashrange import plan_mask
     from flashrange.kernels import backward as bwd
 
     D, Dv = int(argv[0]), int(argv[1])
-    target = GPUTarget("cuda", 90, 32)
     for spec in argv[2:]:
         config = config_of(spec)
         T, Hq, dtype = 300, 4, torch.bfloat16
@@ -52,29 +46,22 @@ def main(argv):
         bwd.range_attention_backward_triton(o, q, k, v, o, torch.empty(T, Hq), qr, kr, mt, D ** -0.5, 0.0, None,
                                             plan=plan, config=config)
         for kernel, args, num_warps, num_stages, maxnreg in rec.launches:
-            sig, consts = sb._signature(kernel, args)
-            options = {"num_warps": num_warps}
-            if num_stages is not None:
-                options["num_stages"] = num_stages
-            if maxnreg is not None:
-                options["maxnreg"] = maxnreg
             t0 = time.perf_counter()
-            source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
             try:
-                compiled = triton.compile(source(fn=kernel, signature=sig, constexprs=consts), target=target,
-                                          options=options)
-                print(f"ok   {spec}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, shared memory "
-                      f"{compiled.metadata.shared} B{sb._resources(compiled.asm['cubin'])})", flush=True)
-                dump = os.environ.get("DUMP_DIR")
-                if dump:
-                    os.makedirs(dump, exist_ok=True)
-                    stem = os.path.join(dump, f"{kernel.__name__}_{spec.replace(',', '_').replace('+', '_')}")
-                    with open(stem + ".cubin", "wb") as f:
-                        f.write(compiled.asm["cubin"])
-                    with open(stem + ".ptx", "w") as f:
-                        f.write(compiled.asm["ptx"])
+                compiled = sb.build(kernel, args, num_warps, num_stages, maxnreg)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"FAIL {spec}: {kernel.__name__}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+                continue
+            print(f"ok   {spec}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, shared memory "
+                  f"{compiled.metadata.shared} B{sb._resources(compiled.asm['cubin'])})", flush=True)
+            dump = os.environ.get("DUMP_DIR")
+            if dump:
+                os.makedirs(dump, exist_ok=True)
+                stem = os.path.join(dump, f"{kernel.__name__}_{spec.replace(',', '_').replace('+', '_')}")
+                with open(stem + ".cubin", "wb") as f:
+                    f.write(compiled.asm["cubin"])
+                with open(stem + ".ptx", "w") as f:
+                    f.write(compiled.asm["ptx"])
 
 
 if __name__ == "__main__":

@@ -202,6 +202,24 @@ def plan_builds():
     return out
 
 
+def build(kernel, args, num_warps, num_stages, maxnreg):
+    """One recorded launch built for sm_90 by Triton's compiler (Gluon or Triton source): the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, consts = _signature(kernel, args)
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+    return triton.compile(source(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
 def _resources(cubin):
     """``", registers N, stack B"`` from the cuobjdump that Triton ships (the stack holds register spills), or ""."""
     import subprocess
@@ -227,14 +245,10 @@ def main():
         print("run with TRITON_INTERPRET=0: the interpreter does not build kernels")
         return 2
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.experimental.gluon._runtime import GluonASTSource
-
+        from triton.backends.compiler import GPUTarget  # noqa: F401 (what build() needs, imported here to check)
         from triton.backends.nvidia.compiler import get_ptxas
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
 
-        target = GPUTarget("cuda", 90, 32)
         get_ptxas(90)
     except Exception as e:  # noqa: BLE001 - an older or CPU-only Triton: nothing can be built here
         print(f"cannot build for sm_90 with this Triton ({type(e).__name__}: {e})")
@@ -249,16 +263,9 @@ def main():
             if key in seen:
                 continue
             seen.add(key)
-            options = {"num_warps": num_warps}
-            if num_stages is not None:
-                options["num_stages"] = num_stages
-            if maxnreg is not None:
-                options["maxnreg"] = maxnreg
             t0 = time.perf_counter()
             try:
-                source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
-                compiled = triton.compile(source(fn=kernel, signature=sig, constexprs=consts), target=target,
-                                          options=options)
+                compiled = build(kernel, args, num_warps, num_stages, maxnreg)
                 assert compiled.asm.get("cubin"), "no cubin"
                 print(f"ok   {name}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, "
                       f"shared memory {compiled.metadata.shared} B{_resources(compiled.asm['cubin'])})", flush=True)

@@ -312,3 +312,31 @@ def test_host_sync_report_ignores_the_prototype_notice(monkeypatch):
         warnings.warn("called a synchronizing CUDA operation")
 
     assert runner._host_syncs(syncing) == ["called a synchronizing CUDA operation"]
+
+
+def _ab_main():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import ab
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return ab
+
+
+def test_ab_fuzz_passes_equal_variants_and_flags_a_wrong_one(capsys, monkeypatch):
+    """``scripts/ab.py`` (the GPU A/B harness) on the CPU: two forward configs of the same kernels pass its
+    float64 fuzz, and a variant whose output is off by 1% fails it."""
+    ab = _ab_main()
+    args = ["--device", "cpu", "--fuzz", "2", "--fuzz-d", "16", "--fwd", "main:cpu_m64_n64", "--fwd", "main:cpu_m32_n16"]
+    assert ab.main(args) == 0
+    assert "0 failures" in capsys.readouterr().out
+
+    real = ab.Variant.prepare
+
+    def off_by_one_percent(self, *a, **k):
+        call, res = real(self, *a, **k)
+        return call, (res[0] * 1.01, res[1]) if self.config == "cpu_m32_n16" else res
+
+    monkeypatch.setattr(ab.Variant, "prepare", off_by_one_percent)
+    assert ab.main(args) == 1
+    assert "!!! fuzz" in capsys.readouterr().out

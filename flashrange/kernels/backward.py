@@ -52,6 +52,7 @@ from .common import (
     plan_program,
     plan_split,
     query_span,
+    full_row_run,
     slice_diagonals,
     sm_count,
     tma_aligned,
@@ -215,13 +216,7 @@ def _bwd_dkdv_kernel(
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
         m_lo, m_hi = query_span(c0, c1, qs, qe, ks, ke, mtype)
         # Rows that read every key of the block form one run [f_lo, f_hi).
-        f_lo = tl.where(has_upper, tl.maximum(qs, c1 - 1 - d_max), qs)
-        f_hi = tl.where(has_lower, tl.minimum(qe, c0 - d_min + 1), qe)
-        f_lo = tl.minimum(tl.maximum(f_lo, m_lo), m_hi)
-        f_hi = tl.minimum(tl.maximum(f_hi, f_lo), m_hi)
-        keys_inside = (c0 >= ks) & (c1 <= ke)
-        f_lo = tl.where(keys_inside, f_lo, m_hi)
-        f_hi = tl.where(keys_inside, f_hi, m_hi)
+        f_lo, f_hi = full_row_run(c0, c1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, m_lo, m_hi)
         n_full = (f_hi - f_lo) // BLOCK_M
         n_pre = tl.cdiv(f_lo - m_lo, BLOCK_M)
         post = f_lo + n_full * BLOCK_M

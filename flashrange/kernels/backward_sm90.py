@@ -46,7 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .common import DEV_LOG2E, DEV_NO_DIAGONAL, key_span, plan_program, query_span, slice_diagonals
+from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_program, query_span,
+                     slice_diagonals)
 from .sm90_common import bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
@@ -96,17 +97,21 @@ def _pair_geometry(slices_ptr, s, c0, c1, BLOCK_M: gl.constexpr):
     diagonal bounds."""
     qs, qe, ks, ke, mtype, m_lo, m_hi, n_tiles = _slice_rows(slices_ptr, s, c0, c1, BLOCK_M)
     has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
-    # Rows that read every key of the whole block form one run [f_lo, f_hi) (as in the Triton kernel).
-    f_lo = gl.where(has_upper, gl.maximum(qs, c1 - 1 - d_max), qs)
-    f_hi = gl.where(has_lower, gl.minimum(qe, c0 - d_min + 1), qe)
-    f_lo = gl.minimum(gl.maximum(f_lo, m_lo), m_hi)
-    f_hi = gl.minimum(gl.maximum(f_hi, f_lo), m_hi)
-    keys_inside = (c0 >= ks) & (c1 <= ke)
-    f_lo = gl.where(keys_inside, f_lo, m_hi)
-    f_hi = gl.where(keys_inside, f_hi, m_hi)
+    f_lo, f_hi = full_row_run(c0, c1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, m_lo, m_hi)
     d_hi = gl.where(has_upper, d_max, DEV_NO_DIAGONAL)
     d_lo = gl.where(has_lower, d_min, -DEV_NO_DIAGONAL)
     return ks, ke, m_lo, m_hi, n_tiles, f_lo, f_hi, d_lo, d_hi
+
+
+@gluon.jit
+def _tile_rows(lse2_head_ptr, delta_head_ptr, r, m_hi, layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A dK/dV tile's rows from ``r`` (in ``layout``) and their ``lse * log2(e)`` and ``delta``. Rows past the
+    slice's reach get p = 0 through lse = +inf (their q and dO read as zeros)."""
+    offs_m = r + gl.arange(0, BLOCK_M, layout=layout)
+    mask_m = offs_m < m_hi
+    lse2 = gl.load(lse2_head_ptr + offs_m, mask=mask_m, other=float("inf"))
+    delta = gl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
+    return offs_m, lse2, delta
 
 
 @gluon.jit
@@ -319,11 +324,7 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
             cur = it + t
             slot = cur % STAGES
             r = m_lo + t * BLOCK_M
-            offs_m = r + gl.arange(0, BLOCK_M, layout=row_t)
-            mask_m = offs_m < m_hi
-            # Rows past the slice's reach: p = 0 through lse = +inf (their q and dO read as zeros).
-            lse2 = gl.load(lse2_head_ptr + offs_m, mask=mask_m, other=float("inf"))
-            delta = gl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
+            offs_m, lse2, delta = _tile_rows(lse2_head_ptr, delta_head_ptr, r, m_hi, row_t, BLOCK_M)
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
@@ -415,10 +416,7 @@ def _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr
             cur = it + t
             slot = cur % STAGES
             r = m_lo + t * BLOCK_M
-            offs_m = r + gl.arange(0, BLOCK_M, layout=row_s)
-            mask_m = offs_m < m_hi
-            lse2 = gl.load(lse2_head_ptr + offs_m, mask=mask_m, other=float("inf"))
-            delta = gl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
+            offs_m, lse2, delta = _tile_rows(lse2_head_ptr, delta_head_ptr, r, m_hi, row_s, BLOCK_M)
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)

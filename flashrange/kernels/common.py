@@ -34,6 +34,7 @@ __all__ = [
     "DEV_BI_CAUSAL",
     "slice_diagonals",
     "key_span",
+    "full_row_run",
     "plan_program",
     "query_span",
     "forward_walk",
@@ -279,6 +280,18 @@ def plan_program(pid, n_heads, T, block_order_ptr, block_lo_ptr, block_hi_ptr, S
     block = tl.load(block_order_ptr + rank // SPLIT)
     start = (block * SPLIT + rank % SPLIT) * BLOCK
     return head, start, tl.minimum(start + BLOCK, T), tl.load(block_lo_ptr + block), tl.load(block_hi_ptr + block)
+
+
+@triton.jit
+def full_row_run(c0, c1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, m_lo, m_hi):
+    """The rows ``[f_lo, f_hi)`` of a slice's reach ``[m_lo, m_hi)`` that read every key of ``[c0, c1)``: the
+    dK/dV kernels' query tiles that need no element mask. Empty when the keys are not all inside the slice."""
+    f_lo = tl.where(has_upper, tl.maximum(qs, c1 - 1 - d_max), qs)
+    f_hi = tl.where(has_lower, tl.minimum(qe, c0 - d_min + 1), qe)
+    f_lo = tl.minimum(tl.maximum(f_lo, m_lo), m_hi)
+    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), m_hi)
+    keys_inside = (c0 >= ks) & (c1 <= ke)
+    return tl.where(keys_inside, f_lo, m_hi), tl.where(keys_inside, f_hi, m_hi)
 
 
 @triton.jit
