@@ -403,8 +403,9 @@ class BwdConfig:
     """Launch shape of the two gradient kernels.
 
     The dK/dV kernel owns ``kv_block_n`` keys and walks rows ``kv_block_m`` at
-    a time; the dQ kernel owns ``q_block_m`` rows and walks keys ``q_block_n``
-    at a time. Chosen from the head dims and dtype only (never from the mask),
+    a time (the Gluon one, with 64-row tiles and a padded head dim of 128,
+    holds their scores by rows); the dQ kernel owns ``q_block_m`` rows and
+    walks keys ``q_block_n`` at a time. Chosen from the head dims and dtype only (never from the mask),
     so that a mask change cannot change the accumulation order. The owned
     blocks (``kv_block_n``, ``q_block_m``) divide the plan's block.
     """
