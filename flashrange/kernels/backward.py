@@ -609,8 +609,22 @@ def range_attention_backward_triton(
                     if config is not None:
                         raise
                     _disable_gluon(e)
+            if config is None and (cfg.gluon_dq if name == "bwd_dq_sm90_kernel" else cfg.gluon_dkdv):
+                # A Gluon default that this call cannot take (views, or a failed build): the Triton kernel
+                # with the Triton default's tiles, as every call that never meets the Gluon kernels.
+                args, stages, warps = _triton_shape(name, args, D, Dv, q.dtype, softcap if has_softcap else 0.0)
             launch(triton_kernel, grid, args, num_warps=warps, num_stages=stages)
     return dq, dk, dv
+
+
+def _triton_shape(name, args, D, Dv, dtype, softcap):
+    """``(args, stages, warps)`` of a Triton launch whose default config was a Gluon one: the tile shapes of the
+    Triton default (the two defaults own the same blocks, so the grid and plan stand)."""
+    tri = _default_config(D, Dv, dtype, True, False, softcap != 0)
+    _, dq_meta, _, dkdv_meta = _static_args(D, Dv, dtype, tri, interpreting())
+    if name == "bwd_dq_sm90_kernel":
+        return args[:-len(dq_meta)] + dq_meta, tri.q_stages, tri.q_warps
+    return args[:-len(dkdv_meta)] + dkdv_meta, tri.kv_stages, tri.kv_warps
 
 
 def _gluon_takes(q, k, v, dout) -> bool:
