@@ -57,7 +57,7 @@ def main(argv):
             dump = os.environ.get("DUMP_DIR")
             if dump:
                 os.makedirs(dump, exist_ok=True)
-                stem = os.path.join(dump, f"{kernel.__name__}_{spec.replace(',', '_').replace('+', '_')}")
+                stem = os.path.join(dump, f"{kernel.__name__}_d{D}_dv{Dv}_{spec.replace(',', '_').replace('+', '_')}")
                 with open(stem + ".cubin", "wb") as f:
                     f.write(compiled.asm["cubin"])
                 with open(stem + ".ptx", "w") as f:

@@ -274,9 +274,16 @@ def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k: gl.constexpr, mma_v: g
 @gluon.jit
 def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       STAGES: gl.constexpr, J: gl.constexpr):
+                       STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, J: gl.constexpr):
     """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
-    returns ``it`` advanced. The K and V halves are released after their last matmul."""
+    returns ``it`` advanced. The K and V halves are released after their last matmul.
+
+    Held by keys: per tile ``S^T = K Q^T`` and ``dP^T = V dO^T``, then ``P^T`` and ``dS^T`` stay in
+    registers as the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``. With ``IS_BY_ROWS``
+    the scores are held by rows: ``S = Q K^T`` and ``dP = dO V^T`` (rows by this warpgroup's keys, so each
+    thread keeps two rows' lse and delta, and with ``BLOCK_M`` as wide as the warpgroup's keys every score
+    matmul is ``HALF`` wide), and ``P`` and ``dS`` go through shared memory, read transposed by the dV and
+    dK matmuls. The sums over each tile's rows run inside one matmul either way: the same bits."""
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
@@ -284,127 +291,52 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
     pid_hk, c0, c1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_N // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_M, 16])
+    if IS_BY_ROWS:
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    else:
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
     mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_D, 16])
     mma_v: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_DV, 16])
-    pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_v, k_width=2)
-    dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_k, k_width=2)
-    key_t: gl.constexpr = gl.SliceLayout(1, mma_t)
-    row_t: gl.constexpr = gl.SliceLayout(0, mma_t)
+    if IS_BY_ROWS:
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        key_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    else:
+        pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_v, k_width=2)
+        dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_k, k_width=2)
+        key_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_s: gl.constexpr = gl.SliceLayout(0, mma_s)
     qk_scale2 = scale * DEV_LOG2E
     n0 = c0 + J * HALF
-    offs_n = n0 + gl.arange(0, HALF, layout=key_t)
+    if not IS_BY_ROWS:
+        # By rows it is rebuilt per edge tile (_dkdv_scores_rows).
+        offs_n = n0 + gl.arange(0, HALF, layout=key_s)
     dk = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_k)
     dv = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_v)
-    t_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma_t)
+    if not IS_BY_ROWS:
+        t_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=mma_s)
     k_half = k_smem.index(J)
     v_half = v_smem.index(J)
+    if IS_BY_ROWS:
+        # This warpgroup's P and dS of the last tile ([BLOCK_M, HALF] each).
+        p_buf = ps_smem.index(2 * J)
+        ds_buf = ps_smem.index(2 * J + 1)
     lse2_ptr = ws_ptr + Hq.to(gl.int64) * Tq
-    # Released after the item's last S^T / dP^T matmuls, so that a persistent program's next K and V
+    # Released after the item's last score matmuls, so that a persistent program's next K and V
     # load under this item's last dV / dK matmuls and its epilogue (at the end if it has no tile).
     kv_held = 1
-    # A tile's dV / dK matmuls are issued after the next tile's S^T / dP^T and run under its
+    # A tile's dV / dK matmuls are issued after the next tile's score matmuls and run under its
     # element-wise work (the same accumulations in the same order): ``pending`` says a tile's
-    # operands wait in ``pt_op`` / ``dst_op``, its q and dO still in ring slot ``p_slot``.
+    # operands wait (in ``pt_op`` / ``dst_op``, or by rows in shared memory, written over only after
+    # those matmuls are done), its q and dO still in ring slot ``p_slot``.
     pending = 0
     p_slot = 0
-    pt_op = gl.zeros([HALF, BLOCK_M], dtype, layout=pt_layout)
-    dst_op = gl.zeros([HALF, BLOCK_M], dtype, layout=dst_layout)
-    for sg in range(s_lo * G, s_hi * G):
-        s = sg // G
-        h = (pid_hk * G + sg - s * G).to(gl.int64)
-        ks, ke, m_lo, m_hi, n_tiles, f_lo, f_hi, d_lo, d_hi = _pair_geometry(slices_ptr, s, c0, c1, BLOCK_M)
-        delta_head_ptr = ws_ptr + h * Tq
-        lse2_head_ptr = lse2_ptr + h * Tq
-        is_last_pair = sg == s_hi * G - 1
-        for t in range(n_tiles):
-            cur = it + t
-            slot = cur % STAGES
-            r = m_lo + t * BLOCK_M
-            offs_m, lse2, delta = _tile_rows(lse2_head_ptr, delta_head_ptr, r, m_hi, row_t, BLOCK_M)
-            mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
-            q_tile = q_smem.index(slot)
-            do_tile = do_smem.index(slot)
-            # This tile's S^T and dP^T in one batch, then the previous tile's dV and dK in another;
-            # both are waited for within this iteration (an accumulator in flight cannot be carried).
-            qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            # An async accumulator cannot leave a branch: each branch waits for what it issued.
-            if pending == 1:
-                dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
-                dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
-                sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
-                pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                       qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
-                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-                mbarrier.arrive(empty.index(p_slot), count=1)
-            else:
-                sT, dT = warpgroup_mma_wait(0, deps=(qkT, dpT))
-                pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                       qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
-            if is_last_pair & (t == n_tiles - 1):
-                mbarrier.arrive(kv_free.index(J), count=1)
-                kv_held = 0
-            pt_op = gl.convert_layout(pT.to(dtype), pt_layout)
-            dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
-            pending = 1
-            p_slot = slot
-        it += n_tiles
-    if kv_held == 1:
-        mbarrier.arrive(kv_free.index(J), count=1)
-    if pending == 1:
-        dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
-        dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
-        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-        mbarrier.arrive(empty.index(p_slot), count=1)
-
-    _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k, mma_v, HALF, BLOCK_D, BLOCK_DV)
-    return it
-
-
-@gluon.jit
-def _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                            STAGES: gl.constexpr, J: gl.constexpr):
-    """``_consume_dkdv_work`` with the scores held by rows: per tile ``S = Q K^T`` and ``dP = dO V^T`` (rows by
-    this warpgroup's keys, so each thread keeps two rows' lse and delta), then ``P`` and ``dS`` go through
-    shared memory, transposed there, as the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``. With
-    ``BLOCK_M`` rows as wide as the warpgroup's keys, every score matmul is ``HALF`` wide where the keys-by-rows
-    kernel's are ``BLOCK_M`` wide. Same accumulation order per key: the sums over each tile's rows run inside
-    one matmul in both."""
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
-    (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
-    pid_hk, c0, c1, s_lo, s_hi = work
-    HALF: gl.constexpr = BLOCK_N // 2
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, HALF, 16])
-    mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_D, 16])
-    mma_v: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_DV, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-    key_s: gl.constexpr = gl.SliceLayout(0, mma_s)
-    qk_scale2 = scale * DEV_LOG2E
-    n0 = c0 + J * HALF
-    dk = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_k)
-    dv = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_v)
-    k_half = k_smem.index(J)
-    v_half = v_smem.index(J)
-    # This warpgroup's P and dS of the last tile ([BLOCK_M, HALF] each), read transposed by its dV / dK matmuls.
-    p_buf = ps_smem.index(2 * J)
-    ds_buf = ps_smem.index(2 * J + 1)
-    lse2_ptr = ws_ptr + Hq.to(gl.int64) * Tq
-    kv_held = 1
-    # As in _consume_dkdv_work: a tile's dV / dK matmuls run under the next tile's element-wise work. Its P and
-    # dS are written over the last tile's only after those matmuls are done.
-    pending = 0
-    p_slot = 0
+    if not IS_BY_ROWS:
+        pt_op = gl.zeros([HALF, BLOCK_M], dtype, layout=pt_layout)
+        dst_op = gl.zeros([HALF, BLOCK_M], dtype, layout=dst_layout)
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         h = (pid_hk * G + sg - s * G).to(gl.int64)
@@ -420,40 +352,71 @@ def _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
-            # Fresh zeros per tile: a zero tile kept across the loop would hold registers throughout.
-            qk = warpgroup_mma(q_tile, k_half.permute((1, 0)), gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_s),
-                               use_acc=False, is_async=True)
-            dp = warpgroup_mma(do_tile, v_half.permute((1, 0)), gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_s),
-                               use_acc=False, is_async=True)
-            if pending == 1:
-                dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
-                dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
-                sv, dpv = warpgroup_mma_wait(2, deps=(qk, dp))
-                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                          qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(empty.index(p_slot), count=1)
+            # This tile's score matmuls in one batch, then the previous tile's dV and dK in another;
+            # both are waited for within this iteration (an accumulator in flight cannot be carried).
+            # An async accumulator cannot leave a (runtime) branch: each branch waits for what it issued.
+            if IS_BY_ROWS:
+                # Fresh zeros per tile: a zero tile kept across the loop would hold registers throughout.
+                qk = warpgroup_mma(q_tile, k_half.permute((1, 0)),
+                                   gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_s), use_acc=False,
+                                   is_async=True)
+                dp = warpgroup_mma(do_tile, v_half.permute((1, 0)),
+                                   gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_s), use_acc=False,
+                                   is_async=True)
+                if pending == 1:
+                    dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
+                    dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
+                    sv, dpv = warpgroup_mma_wait(2, deps=(qk, dp))
+                    p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
+                                              d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(empty.index(p_slot), count=1)
+                else:
+                    sv, dpv = warpgroup_mma_wait(0, deps=(qk, dp))
+                    p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
+                                              d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
             else:
-                sv, dpv = warpgroup_mma_wait(0, deps=(qk, dp))
-                p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                          qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
+                qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+                dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+                if pending == 1:
+                    dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
+                    dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
+                    sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
+                    pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                           qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                    dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                    mbarrier.arrive(empty.index(p_slot), count=1)
+                else:
+                    sT, dT = warpgroup_mma_wait(0, deps=(qkT, dpT))
+                    pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                           qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
             if is_last_pair & (t == n_tiles - 1):
                 mbarrier.arrive(kv_free.index(J), count=1)
                 kv_held = 0
-            p_buf.store(p.to(dtype))
-            ds_buf.store(ds.to(dtype))
-            # Every thread's stores reach the matmuls' (async) reads: a proxy fence, then the warpgroup's barrier.
-            fence_async_shared()
-            cta_barrier()
+            if IS_BY_ROWS:
+                p_buf.store(p.to(dtype))
+                ds_buf.store(ds.to(dtype))
+                # Every thread's stores reach the matmuls' (async) reads: a proxy fence, then the
+                # warpgroup's barrier.
+                fence_async_shared()
+                cta_barrier()
+            else:
+                pt_op = gl.convert_layout(pT.to(dtype), pt_layout)
+                dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
             pending = 1
             p_slot = slot
         it += n_tiles
     if kv_held == 1:
         mbarrier.arrive(kv_free.index(J), count=1)
     if pending == 1:
-        dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
-        dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        if IS_BY_ROWS:
+            dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
+            dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        else:
+            dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
         mbarrier.arrive(empty.index(p_slot), count=1)
     _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k, mma_v, HALF, BLOCK_D, BLOCK_DV)
     return it
@@ -476,12 +439,8 @@ def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
         if w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             mbarrier.wait(kv_ready.index(J), wi & 1)
-            if IS_BY_ROWS:
-                it = _consume_dkdv_work_rows(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                             HAS_SOFTCAP, STAGES, J)
-            else:
-                it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                        HAS_SOFTCAP, STAGES, J)
+            it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                                    STAGES, IS_BY_ROWS, J)
             wi += 1
 
 
@@ -516,7 +475,7 @@ def bwd_dkdv_sm90_kernel(
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
 
-    # 64-row tiles at head dim 128: the scores by rows (_consume_dkdv_work_rows), P and dS through shared memory.
+    # 64-row tiles at head dim 128: the scores held by rows (_consume_dkdv_work), P and dS through shared memory.
     IS_BY_ROWS: gl.constexpr = (BLOCK_M == HALF) and (max(BLOCK_D, BLOCK_DV) == 128)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
