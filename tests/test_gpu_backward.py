@@ -478,6 +478,35 @@ def test_gluon_backward_persistent_grid_is_bitwise_the_same():
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("D, softcap", [(128, 0.0), (64, 0.0), (64, 20.0)], ids=["d128", "d64", "d64-softcap"])
+def test_views_the_gluon_kernels_cannot_take_run_the_triton_default(D, softcap):
+    """Under the default config, inputs the Gluon kernels cannot take (a view 2 bytes off a 16-byte boundary)
+    run the Triton kernels with the Triton default's tiles, not the Gluon default's (which differ at D=128 and
+    D=64): the bits of that config asked for by name."""
+    from flashrange.kernels.backward import BwdConfig, _gluon_takes, default_config
+
+    T = 517
+    rows = _docs(T, 5, 3) + [(0, 300, 0, 200, FULL)]
+    (_, (q, k, v, do, out, lse, dlse, qr, kr, mt)) = _three_way(T, T, 4, 2, D, D, rows, torch.bfloat16,
+                                                                softcap=softcap, seed=11, golden=False)
+    shifted = []
+    for t in (do, q, k, v):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        shifted.append(view)
+    assert not _gluon_takes(shifted[1], shifted[2], shifted[3], shifted[0])
+    gluon_default = default_config(D, D, torch.bfloat16, torch.device(DEV), softcap=softcap != 0)
+    assert gluon_default.gluon_dkdv
+    triton_default = BwdConfig(32 if D == 128 else 64, 128, 8, 3, 128, 64, 8, 3)
+    got = range_attention_backward_triton(*shifted, out, lse, qr, kr, mt, None, softcap, dlse)
+    want = range_attention_backward_triton(*shifted, out, lse, qr, kr, mt, None, softcap, dlse,
+                                           config=triton_default)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
 @pytest.mark.parametrize(
     "D, Dv, Hq, Hkv, softcap, layout",
     [

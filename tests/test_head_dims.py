@@ -202,23 +202,3 @@ def test_hopper_backward_default_at_head_dim_64(softcap):
     other = kbwd._default_config(64, 64, torch.bfloat16, True, False, softcap)
     assert other == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
 
-
-@pytest.mark.parametrize("D, Dv, softcap", [(128, 128, 0.0), (64, 64, 0.0), (64, 64, 30.0), (96, 96, 0.0)],
-                         ids=["d128", "d64", "d64-softcap", "d96"])
-def test_triton_launch_of_a_gluon_default_takes_the_triton_tiles(D, Dv, softcap):
-    """When a Hopper default (Gluon) config meets a call the Gluon kernels cannot take (unaligned views, a
-    failed build), the Triton kernels run with the Triton default's tiles, not the Gluon ones: the bits of
-    every call that never meets the Gluon kernels. Both defaults own the same blocks (grid and plan)."""
-    dtype = torch.bfloat16
-    gluon = kbwd._default_config(D, Dv, dtype, True, True, softcap != 0)
-    tri = kbwd._default_config(D, Dv, dtype, True, False, softcap != 0)
-    assert gluon.gluon_dkdv and not tri.gluon_dkdv
-    assert (gluon.kv_block_n, gluon.q_block_m) == (tri.kv_block_n, tri.q_block_m)
-    interp = kbwd.interpreting()
-    _, dq_g, _, dkdv_g = kbwd._static_args(D, Dv, dtype, gluon, interp)
-    _, dq_t, _, dkdv_t = kbwd._static_args(D, Dv, dtype, tri, interp)
-    for name, meta_g, meta_t, stages, warps in (("bwd_dq_sm90_kernel", dq_g, dq_t, tri.q_stages, tri.q_warps),
-                                                ("bwd_dkdv_sm90_kernel", dkdv_g, dkdv_t, tri.kv_stages,
-                                                 tri.kv_warps)):
-        args = ("leading", 7) + meta_g
-        assert kbwd._triton_shape(name, args, D, Dv, dtype, softcap) == (("leading", 7) + meta_t, stages, warps)

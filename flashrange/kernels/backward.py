@@ -42,6 +42,7 @@ from .common import (
     DEV_NO_DIAGONAL,
     WS_MAXNREG,
     ensure_tma_allocator,
+    full_row_run,
     gluon_sm90_ready,
     interpreting,
     key_span,
@@ -52,7 +53,6 @@ from .common import (
     plan_program,
     plan_split,
     query_span,
-    full_row_run,
     slice_diagonals,
     sm_count,
     tma_aligned,
@@ -405,8 +405,9 @@ class BwdConfig:
     The dK/dV kernel owns ``kv_block_n`` keys and walks rows ``kv_block_m`` at
     a time (the Gluon one, with 64-row tiles and a padded head dim of 128,
     holds their scores by rows); the dQ kernel owns ``q_block_m`` rows and
-    walks keys ``q_block_n`` at a time. Chosen from the head dims and dtype only (never from the mask),
-    so that a mask change cannot change the accumulation order. The owned
+    walks keys ``q_block_n`` at a time. Chosen from the head dims and dtype
+    only (never from the mask), so that a mask change cannot change the
+    accumulation order. The owned
     blocks (``kv_block_n``, ``q_block_m``) divide the plan's block.
     """
 
@@ -523,6 +524,20 @@ def range_attention_backward_triton(
     mask's :class:`~flashrange.plan.RangePlan` (the forward's; built here when
     ``None``). `config` overrides :func:`default_config`.
     """
+    args = (dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse)
+    try:
+        return _backward(*args, plan, config)
+    except _GluonBuildError:
+        # A Gluon kernel did not build (warned once): this call, as every later one, runs the Triton
+        # kernels with their own default tiles (which the Gluon defaults' need not be).
+        return _backward(*args, plan, None)
+
+
+class _GluonBuildError(Exception):
+    """A default Gluon backward kernel failed to build in this call (see ``_disable_gluon``)."""
+
+
+def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse, plan, config):
     _check_shapes(dout, q, k, v, out, lse, dlse)
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
@@ -532,15 +547,20 @@ def range_attention_backward_triton(
         cfg = default_config(D, Dv, q.dtype, q.device, softcap=softcap != 0)
     elif isinstance(config, BwdConfig):
         cfg = config
-        if (cfg.gluon_dkdv or cfg.gluon_dq) and not _has_gluon_sm90(q.device.index if q.device.type == "cuda" else None):
+        device_index = q.device.index if q.device.type == "cuda" else None
+        if (cfg.gluon_dkdv or cfg.gluon_dq) and not _has_gluon_sm90(device_index):
             raise ValueError(
                 "BwdConfig.gluon_dkdv / gluon_dq select the Hopper (Gluon) backward kernels: they need a "
                 "compute-capability-9 GPU and a Triton with Gluon's Hopper ops (and had not failed to build "
                 "here); set both to False for the Triton kernels")
     else:
         raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
-    q_split, dq_meta, kv_split, dkdv_meta = _static_args(D, Dv, q.dtype, cfg, interpreting())
     q, k, v, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout, out))
+    gluon = (cfg.gluon_dq or cfg.gluon_dkdv) and _gluon_takes(q, k, v, dout)
+    if config is None and (cfg.gluon_dq or cfg.gluon_dkdv) and not gluon:
+        # Views the Gluon kernels cannot take: the Triton kernels with their own default tiles.
+        cfg = _default_config(D, Dv, q.dtype, True, False, softcap != 0)
+    q_split, dq_meta, kv_split, dkdv_meta = _static_args(D, Dv, q.dtype, cfg, interpreting())
     scale = resolve_scale(softmax_scale, D)
     softcap = float(softcap)
     has_softcap = softcap > 0.0
@@ -588,14 +608,13 @@ def range_attention_backward_triton(
             has_softcap, row64, *dkdv_meta,
         )
         dkdv_grid = (plan.k_block_order.shape[0] * kv_split * Hkv,)
-        gluon = (cfg.gluon_dq or cfg.gluon_dkdv) and _gluon_takes(q, k, v, dout)
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
         for use_gluon, name, grid, args, stages, warps in (
             (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps),
             (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps),
         ):
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
-            if use_gluon and not _GLUON_FAILURES:
+            if use_gluon:
                 try:
                     ensure_tma_allocator()
                     # The Triton kernel below (a fallback) keeps the full grid.
@@ -609,22 +628,9 @@ def range_attention_backward_triton(
                     if config is not None:
                         raise
                     _disable_gluon(e)
-            if config is None and (cfg.gluon_dq if name == "bwd_dq_sm90_kernel" else cfg.gluon_dkdv):
-                # A Gluon default that this call cannot take (views, or a failed build): the Triton kernel
-                # with the Triton default's tiles, as every call that never meets the Gluon kernels.
-                args, stages, warps = _triton_shape(name, args, D, Dv, q.dtype, softcap if has_softcap else 0.0)
+                    raise _GluonBuildError from e
             launch(triton_kernel, grid, args, num_warps=warps, num_stages=stages)
     return dq, dk, dv
-
-
-def _triton_shape(name, args, D, Dv, dtype, softcap):
-    """``(args, stages, warps)`` of a Triton launch whose default config was a Gluon one: the tile shapes of the
-    Triton default (the two defaults own the same blocks, so the grid and plan stand)."""
-    tri = _default_config(D, Dv, dtype, True, False, softcap != 0)
-    _, dq_meta, _, dkdv_meta = _static_args(D, Dv, dtype, tri, interpreting())
-    if name == "bwd_dq_sm90_kernel":
-        return args[:-len(dq_meta)] + dq_meta, tri.q_stages, tri.q_warps
-    return args[:-len(dkdv_meta)] + dkdv_meta, tri.kv_stages, tri.kv_warps
 
 
 def _gluon_takes(q, k, v, dout) -> bool:
@@ -646,7 +652,7 @@ def _disable_gluon(error: Exception) -> None:
     _GLUON_FAILURES.append(f"{type(error).__name__}: {error}")
     for cached in (_has_gluon_sm90, _default_config):
         cached.cache_clear()
-    warn_gluon_fallback("backward", error, stacklevel=5)
+    warn_gluon_fallback("backward", error, stacklevel=6)
 
 
 def _workspace(Hq, Tq, device):
