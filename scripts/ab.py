@@ -20,13 +20,14 @@ import argparse
 import importlib
 import json
 import os
+import random
 import statistics
 import sys
 
 import torch
 
 from flashrange.bench.cases import select
-from flashrange.bench.runner import make_inputs
+from flashrange.bench.runner import make_inputs, rel_err
 from flashrange.bench.timing import L2_FLUSH_BYTES
 from flashrange.reference import range_attention_backward, range_attention_forward
 
@@ -46,6 +47,15 @@ def package(name):
     return fwd, bwd, plan.build_plan
 
 
+def backward_config(spec, config_cls):
+    """``config_cls`` (a ``BwdConfig``) from ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags any of
+    ``dkdv``, ``dq``, ``persistent`` joined by ``+``."""
+    parts = spec.split(",")
+    flags = set(parts[8].split("+")) if len(parts) > 8 else set()
+    return config_cls(*[int(x) for x in parts[:8]], gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags,
+                      persistent="persistent" in flags)
+
+
 class Variant:
     def __init__(self, spec, direction):
         self.spec = spec
@@ -57,10 +67,7 @@ class Variant:
         elif direction == "fwd":
             self.config = cfg
         else:
-            parts = cfg.split(",")
-            flags = set(parts[8].split("+")) if len(parts) > 8 else set()
-            self.config = self.bwd.BwdConfig(*[int(x) for x in parts[:8]], gluon_dkdv="dkdv" in flags,
-                                             gluon_dq="dq" in flags, persistent="persistent" in flags)
+            self.config = backward_config(cfg, self.bwd.BwdConfig)
 
     def prepare(self, q, k, v, dout, ranges, T, scale, softcap):
         """A no-argument callable of this variant on these inputs, and its result."""
@@ -79,25 +86,18 @@ class Variant:
         return call, call()
 
 
-def random_mask(g, T):
-    """Random slices over ``T`` tokens: every type, overlaps, empty and tiny slices, documents."""
-    rows = []
-    n = int(torch.randint(1, 9, (1,), generator=g))
-    for _ in range(n):
-        a, b = sorted(torch.randint(0, T + 1, (2,), generator=g).tolist())
-        c, d = sorted(torch.randint(0, T + 1, (2,), generator=g).tolist())
-        rows.append((a, b, c, d, int(torch.randint(0, 4, (1,), generator=g))))
-    if int(torch.randint(0, 2, (1,), generator=g)):
-        cuts = sorted(set([0, T] + torch.randint(1, T, (int(torch.randint(1, 12, (1,), generator=g)),),
-                                                 generator=g).tolist()))
-        rows += [(x, y, x, y, 1) for x, y in zip(cuts, cuts[1:])]
-    t = torch.tensor(rows, dtype=torch.int32)
+def _slice_rows(g, T):
+    """Random slices over ``T`` tokens from the tests' generator (``tests/golden.py``): every type, overlaps,
+    length-1 slices, tensor edges, empty slices."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    try:
+        from golden import random_slice_rows
+    finally:
+        sys.path.pop(0)
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=g)))
+    rows = random_slice_rows(T, T, int(torch.randint(1, 12, (1,), generator=g)), rng, n_empty=2, random_types=True)
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
     return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm()) / max(float(b.norm()), 1e-30)
 
 
 def fuzz(variants, n, dtype, fuzz_d, device):
@@ -111,7 +111,7 @@ def fuzz(variants, n, dtype, fuzz_d, device):
         softcap = 0.0 if i % 3 else 20.0
         x = [torch.randn(T, h, D, generator=g) for h in (hq, hkv, hkv)]
         dout = torch.randn(T, hq, D, generator=g)
-        ranges = [r.to(device) for r in random_mask(g, T)]
+        ranges = [r.to(device) for r in _slice_rows(g, T)]
         gold_in = [t.double() for t in x]
         out_g, lse_g = range_attention_forward(*gold_in, *[r.cpu() for r in ranges], D ** -0.5, softcap)
         dev = [t.to(device, dtype) for t in x]
@@ -125,7 +125,7 @@ def fuzz(variants, n, dtype, fuzz_d, device):
         for var in variants:
             _, res = var.prepare(*dev, dout.to(device, dtype), ranges, T, D ** -0.5, softcap)
             res = res if var.direction == "bwd" else res[:1]
-            errs.append(max(rel(r.cpu(), gd) for r, gd in zip(res, golds)))
+            errs.append(max(rel_err(r.cpu(), gd) for r, gd in zip(res, golds)))
         for var, e in zip(variants[1:], errs[1:]):
             if not e <= 2 * errs[0] + 1e-3:
                 failures += 1
@@ -166,7 +166,7 @@ def main(argv=None):
             checks = []
             for var, res in zip(variants, outs):
                 same = all(torch.equal(a, b) for a, b in zip(res, outs[0]))
-                err = max(rel(a, b) for a, b in zip(res, outs[0]))
+                err = max(rel_err(a, b) for a, b in zip(res, outs[0]))
                 checks.append("bitwise" if same else f"rel {err:.1e}")
                 if not err <= 2e-2:
                     failures += 1

@@ -19,22 +19,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import sm90_builds as sb  # noqa: E402
 
 
-def config_of(spec: str):
-    from flashrange.kernels.backward import BwdConfig
-
-    parts = spec.split(",")
-    nums = [int(x) for x in parts[:8]]
-    flags = set(parts[8].split("+")) if len(parts) > 8 else set()
-    return BwdConfig(*nums, gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags, persistent="persistent" in flags)
-
-
 def main(argv):
+    from ab import backward_config
+
     from flashrange import plan_mask
     from flashrange.kernels import backward as bwd
 
     D, Dv = int(argv[0]), int(argv[1])
     for spec in argv[2:]:
-        config = config_of(spec)
+        config = backward_config(spec, bwd.BwdConfig)
         T, Hq, dtype = 300, 4, torch.bfloat16
         q, k, v = sb._qkv(T, Hq, D, Dv, dtype, False)
         o = torch.empty(T, Hq, Dv, dtype=dtype)
