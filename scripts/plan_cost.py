@@ -64,7 +64,12 @@ def _random_slices(T, S, seed):
 
 def cases():
     T = 131072
-    return [
+    short = 32768
+    # Documents in 32768 tokens around the one-program plan's slot limit (128): with one empty slot
+    # after them the same documents take the general plan's launches.
+    around_limit = [(f"{n} docs in 32k{extra}", short, _padded(short, n, n + pad, False, n))
+                    for n in (16, 64, 128) for pad, extra in ((0, ""), (129 - n, f", {129 - n} empty after"))]
+    return around_limit + [
         ("causal 1k, 1 slice", 1024, (torch.tensor([[0, 1024]], dtype=torch.int32),
                                       torch.tensor([[0, 1024]], dtype=torch.int32),
                                       torch.ones(1, dtype=torch.int32))),

@@ -163,6 +163,7 @@ def backward_builds():
         ("d128-bf16-softcap-dlse-gluon", 128, 128, torch.bfloat16, 30.0, True, False),
         ("d96-fp16-gluon", 96, 96, torch.float16, 0.0, False, False),
         ("d64-dv128-bf16-gluon", 64, 128, torch.bfloat16, 0.0, False, False),
+        ("d128-dv64-bf16-gluon", 128, 64, torch.bfloat16, 0.0, False, False),
         ("d64-bf16-softcap-gluon", 64, 64, torch.bfloat16, 30.0, False, False),
         ("d64-bf16-gluon", 64, 64, torch.bfloat16, 0.0, False, False),
     ]

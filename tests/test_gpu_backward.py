@@ -515,6 +515,8 @@ def test_views_the_gluon_kernels_cannot_take_run_the_triton_default(D, softcap):
         pytest.param(128, 128, 4, 2, 0.0, "padded-heads", id="d128-per-head-descriptors"),
         pytest.param(96, 96, 4, 2, 0.0, "packed", id="d96"),
         pytest.param(64, 128, 4, 2, 0.0, "packed", id="d64-dv128"),
+        pytest.param(128, 64, 4, 2, 0.0, "packed", id="d128-dv64"),
+        pytest.param(80, 112, 6, 3, 15.0, "packed", id="d80-dv112-softcap"),
     ],
 )
 def test_gluon_dkdv_by_rows_is_bitwise_the_same(D, Dv, Hq, Hkv, softcap, layout):

@@ -180,13 +180,13 @@ def test_default_paths_unchanged_for_existing_head_dims():
     assert kbwd.default_config(256, 256, torch.bfloat16, cuda) == kbwd.BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 
 
-@pytest.mark.parametrize("D, Dv, rows", [(128, 128, 64), (96, 96, 32), (64, 128, 32), (128, 64, 32)],
-                         ids=["d128", "d96", "d64-dv128", "d128-dv64"])
-def test_hopper_backward_default_at_head_dim_128(D, Dv, rows):
-    """On Hopper (asked without one), head dims padded to 128 take both Gluon kernels; the dK/dV kernel walks
-    64-row tiles (held by rows) when D = Dv = 128, 32-row tiles otherwise; elsewhere the Triton kernels."""
+@pytest.mark.parametrize("D, Dv", [(128, 128), (96, 96), (64, 128), (128, 64), (80, 112)],
+                         ids=["d128", "d96", "d64-dv128", "d128-dv64", "d80-dv112"])
+def test_hopper_backward_default_at_head_dim_128(D, Dv):
+    """On Hopper (asked without one), head dims padded to 128 take both Gluon kernels, the dK/dV one walking
+    64-row tiles (held by rows); elsewhere the Triton kernels and their 32-row tiles."""
     hopper = kbwd._default_config(D, Dv, torch.bfloat16, True, True)
-    assert hopper == kbwd.BwdConfig(rows, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True)
+    assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True)
     assert kbwd._default_config(D, Dv, torch.bfloat16, True, False) == kbwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
     assert kbwd._default_config(D, Dv, torch.float32, True, True).gluon_dkdv is False
 

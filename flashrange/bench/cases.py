@@ -265,6 +265,11 @@ CASES: tuple[Case, ...] = (
     Case("doc4096-128k", "document", 131072, Hq=8, Hkv=8, n_docs=4096, seed=4096, tags=("table", "long")),
     Case("causal-128k", "causal", 131072, tags=("table", "long")),
     Case("full-4k-d256", "full", 4096, D=256, tags=("sweep",)),
+    # Head dims the Hopper backward pads to 128 (A/Bs of its tile shapes; not in the table).
+    Case("full-8k-d96", "full", 8192, D=96, tags=("dims",)),
+    Case("causal-8k-d96", "causal", 8192, D=96, tags=("dims",)),
+    Case("full-8k-d64v128", "full", 8192, D=64, Dv=128, tags=("dims",)),
+    Case("full-8k-d128v64", "full", 8192, D=128, Dv=64, tags=("dims",)),
 )
 
 

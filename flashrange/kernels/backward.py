@@ -496,13 +496,12 @@ def _default_config(D: int, Dv: int, dtype: torch.dtype, cuda: bool, hopper: boo
     if d <= 128:
         # Padded to 128 on Hopper: the Gluon kernels (faster on every mask timed but dense
         # full in the sixth session, and 12-18% faster since, BENCHMARKS.md tenth session).
-        # With D = Dv = 128 the dK/dV kernel walks 64-row tiles, which it holds by rows
-        # (kernels/backward_sm90.py): the same bits as 32-row tiles and faster on every mask
-        # timed (eleventh session); other dims padded to 128 keep 32-row tiles until they
-        # have run on a GPU that way.
+        # Their dK/dV kernel walks 64-row tiles, which it holds by rows (kernels/backward_sm90.py):
+        # the same bits as 32-row tiles and faster on every mask and head dim timed (D = Dv = 128
+        # in the eleventh session; D = 96, D = 64 with Dv = 128 and D = 128 with Dv = 64 in the
+        # twelfth). The Triton kernels keep 32-row tiles.
         gluon = hopper and dtype.itemsize == 2 and max(pad_dim(D), pad_dim(Dv)) == 128
-        by_rows = gluon and D == Dv == 128
-        return BwdConfig(64 if by_rows else 32, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon,
+        return BwdConfig(64 if gluon else 32, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=gluon, gluon_dq=gluon,
                          persistent=gluon)
     return BwdConfig(16, 64, 8, 2, 64, 32, 8, 2)
 

@@ -1,0 +1,71 @@
+"""Per-kernel GPU time of the public call (forward, then forward + backward) on bench cases.
+
+    PYTHONPATH=. python scripts/profile_call.py --cases doc128-32k,full-8k [--reps 10]
+
+Each case: the bench's inputs and mask, a few warm calls, then ``--reps`` calls of
+``flashrange.range_attention`` (and of its backward) under ``torch.profiler``; the table lists
+every CUDA kernel's time per call, so the plan, the delta preprocess and the gradient kernels
+show up separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashrange
+from flashrange.bench.cases import select
+from flashrange.bench.runner import make_inputs
+
+
+def _kernel_table(prof, reps):
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = ev.cuda_time_total
+        if us > 0 and ev.count > 0 and not ev.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
+            rows.append((us / reps, ev.count // reps, ev.key))
+    rows.sort(reverse=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    for case in select(args.cases):
+        mask = case.build(dev).mask
+        q, k, v, dout = make_inputs(case, dev, torch.bfloat16)
+        q.requires_grad_(True)
+        k.requires_grad_(True)
+        v.requires_grad_(True)
+
+        def fwd():
+            return flashrange.range_attention(q, k, v, *mask.tensors())[0]
+
+        def step():
+            # The gradients returned, not accumulated into .grad (no extra adds in the table).
+            torch.autograd.grad(fwd(), (q, k, v), dout)
+
+        for label, fn in (("forward", fwd), ("forward + backward", step)):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.reps):
+                    fn()
+                torch.cuda.synchronize()
+            rows = _kernel_table(prof, args.reps)
+            print(f"--- {case.name}, {label}: GPU us per call, kernels per call")
+            for us, n, name in rows[:12]:
+                print(f"{us:10.1f} {n:4d}  {name[:110]}")
+            print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
+
+
+if __name__ == "__main__":
+    main()
