@@ -517,19 +517,24 @@ def test_views_the_gluon_kernels_cannot_take_run_the_triton_default(D, softcap):
         pytest.param(64, 128, 4, 2, 0.0, "packed", id="d64-dv128"),
         pytest.param(128, 64, 4, 2, 0.0, "packed", id="d128-dv64"),
         pytest.param(80, 112, 6, 3, 15.0, "packed", id="d80-dv112-softcap"),
+        pytest.param(64, 64, 8, 2, 0.0, "packed", id="d64-gqa"),
+        pytest.param(64, 64, 4, 4, 20.0, "packed", id="d64-softcap"),
+        pytest.param(64, 64, 4, 2, 0.0, "padded-heads", id="d64-per-head-descriptors"),
     ],
 )
 def test_gluon_dkdv_by_rows_is_bitwise_the_same(D, Dv, Hq, Hkv, softcap, layout):
-    """The dK/dV kernel with 64-row tiles held by rows (P and dS through shared memory) gives the bits of
-    32-row tiles held by keys: per key, the same additions in the same order."""
+    """The dK/dV kernel with its scores held by rows (P and dS through shared memory; 64-row tiles at padded
+    head dim 128, 128-row tiles at 64) gives the bits of the tiles half as tall held by keys: per key, the same
+    additions in the same order."""
     import dataclasses
 
     T = 3001
     rows = (_docs(T, 19, 8) + [(100, 2000, 50, 1900, FULL), (2000, 3001, 2000, 2900, INV_CAUSAL)]
             + short_slice_rows(T, T, 120, random.Random(8)))
+    by_keys = 32 if max(D, Dv) > 64 else 64
     cfg = _gluon_config(D, Dv, torch.bfloat16, persistent=True)
-    keys_cfg = dataclasses.replace(cfg, kv_block_m=32)
-    rows_cfg = dataclasses.replace(cfg, kv_block_m=64)
+    keys_cfg = dataclasses.replace(cfg, kv_block_m=by_keys)
+    rows_cfg = dataclasses.replace(cfg, kv_block_m=2 * by_keys)
     (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
         T, T, Hq, Hkv, D, Dv, rows, torch.bfloat16, softcap=softcap, seed=9, golden=False, config=keys_cfg)
     args = [do, q, k, v]

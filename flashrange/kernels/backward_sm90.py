@@ -475,8 +475,10 @@ def bwd_dkdv_sm90_kernel(
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
 
-    # 64-row tiles at head dim 128: the scores held by rows (_consume_dkdv_work), P and dS through shared memory.
-    IS_BY_ROWS: gl.constexpr = (BLOCK_M == HALF) and (max(BLOCK_D, BLOCK_DV) == 128)
+    # The scores held by rows (_consume_dkdv_work), P and dS through shared memory: 64-row tiles at head dim
+    # 128, 128-row tiles at head dim 64 (the same registers for the scores and accumulators).
+    IS_BY_ROWS: gl.constexpr = (((BLOCK_M == HALF) and (max(BLOCK_D, BLOCK_DV) == 128))
+                                or ((BLOCK_M == 2 * HALF) and (max(BLOCK_D, BLOCK_DV) == 64)))
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], d_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
     if IS_BY_ROWS:
