@@ -87,6 +87,17 @@ def host_overhead(device, dtype, *, tiny, warmup, reps, budget) -> list[dict]:
                                fullgraph=True)
             return lambda: fn(q, k, v, qr, kr, mt)
 
+        def reduce_overhead_call():
+            # Inductor's CUDA graphs: a new step marked before each call, as a training loop does.
+            fn = torch.compile(lambda q, k, v, a, b, c: flashrange.range_attention(q, k, v, a, b, c)[0],
+                               mode="reduce-overhead", fullgraph=True)
+
+            def call():
+                torch.compiler.cudagraph_mark_step_begin()
+                return fn(q, k, v, qr, kr, mt)
+
+            return call
+
         def graph_call():
             graph, replay = _graph_replay(lambda: flashrange.range_attention(q, k, v, qr, kr, mt), device)
             keep.append(graph)
@@ -104,6 +115,7 @@ def host_overhead(device, dtype, *, tiny, warmup, reps, budget) -> list[dict]:
             ("raw op", lambda: (lambda: torch.ops.flashrange.fwd(q, k, v, qr, kr, mt, raw_plan, scale, 0.0)), None),
             ("torch.compile(fullgraph=True)", compiled_call,
              None if cuda else "GPU only here (the CPU run checks the harness)"),
+            ("torch.compile(mode='reduce-overhead')", reduce_overhead_call, None if cuda else "needs CUDA"),
             ("CUDA graph replay", graph_call, None if cuda else "needs CUDA"),
             ("sdpa (yardstick)", sdpa_call, None),
         ]
