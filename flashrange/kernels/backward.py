@@ -404,7 +404,7 @@ class BwdConfig:
 
     The dK/dV kernel owns ``kv_block_n`` keys and walks rows ``kv_block_m`` at
     a time (the Gluon one, with 64-row tiles and a padded head dim of 128,
-    holds their scores by rows); the dQ kernel owns ``q_block_m`` rows and
+    or 128-row tiles at 64, holds their scores by rows); the dQ kernel owns ``q_block_m`` rows and
     walks keys ``q_block_n`` at a time. Chosen from the head dims and dtype
     only (never from the mask), so that a mask change cannot change the
     accumulation order. The owned

@@ -29,10 +29,11 @@ warpgroups each own half of the program's block, with registers split
   ``dK += dS^T Q``; a tile's dV and dK matmuls are issued with the next tile's
   ``S^T`` and ``dP^T`` and run under its element-wise work, and the slot is released
   once they are done (the dQ kernel overlaps its dQ matmul the same way).
-  With 64-row tiles and a padded head dim of 128 the consumer holds the scores
-  by rows instead (``S = Q K^T``, ``dP = dO V^T``, as wide as its 64 keys,
-  where 32-row tiles held by keys make 32-wide score matmuls), and ``P`` and
-  ``dS`` go through shared memory, read transposed by the dV and dK matmuls.
+  With 64-row tiles and a padded head dim of 128 (or 128-row tiles at 64) the
+  consumer holds the scores by rows instead (``S = Q K^T``, ``dP = dO V^T``, as
+  wide as its 64 keys, where 32-row tiles held by keys make 32-wide score
+  matmuls), and ``P`` and ``dS`` go through shared memory, read transposed by
+  the dV and dK matmuls.
   Each key's sums over rows run in the same order either way: the same bits.
 - dQ: a program owns ``BLOCK_M`` query rows of one head; the producer loads
   its q halves once, then each slice's K/V tiles, with descriptors ending at
