@@ -2,9 +2,10 @@
 
     TRITON_INTERPRET=0 python scripts/build_bwd_sm90.py D DV "kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]" ...
 
-``flags``: any of ``dkdv``, ``dq``, ``persistent`` joined by ``+`` (the Gluon kernels). Reuses the recorder
-and the resource report of ``tests/sm90_builds.py``. With ``DUMP_DIR`` set, each build's cubin and PTX go
-there (``cuobjdump -sass`` of the cubin shows spills as ``STL`` / ``LDL``).
+``flags``: any of ``dkdv``, ``dq``, ``persistent`` (the Gluon kernels) and ``fused`` (dQ in the key-major
+kernel), joined by ``+``. Reuses the recorder and the resource report of ``tests/sm90_builds.py``. With
+``DUMP_DIR`` set, each build's cubin and PTX go there (``cuobjdump -sass`` of the cubin shows spills as
+``STL`` / ``LDL``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main(argv):
 
     from flashrange import plan_mask
     from flashrange.kernels import backward as bwd
+    from flashrange.kernels import backward_fused as bwd_fused
 
     D, Dv = int(argv[0]), int(argv[1])
     for spec in argv[2:]:
@@ -36,6 +38,7 @@ def main(argv):
         bwd._has_gluon_sm90 = lambda index=None: True
         rec = sb._Recorder()
         bwd.launch = rec
+        bwd_fused.launch = rec
         bwd.range_attention_backward_triton(o, q, k, v, o, torch.empty(T, Hq), qr, kr, mt, D ** -0.5, 0.0, None,
                                             plan=plan, config=config)
         for kernel, args, num_warps, num_stages, maxnreg in rec.launches:

@@ -147,6 +147,7 @@ def backward_builds():
     with softcap and a gradient through lse, and a 64-bit view."""
     from flashrange import plan_mask
     from flashrange.kernels import backward as bwd
+    from flashrange.kernels import backward_fused as bwd_fused
 
     out = []
     cases = [
@@ -167,7 +168,13 @@ def backward_builds():
         ("d64-bf16-softcap-gluon", 64, 64, torch.bfloat16, 30.0, False, False),
         ("d64-bf16-gluon", 64, 64, torch.bfloat16, 0.0, False, False),
     ]
-    for name, D, Dv, dtype, softcap, with_dlse, int64 in cases:
+    # The opt-in backward that accumulates dQ in its key-major kernel (Triton; kernels/backward_fused.py), in
+    # shapes whose builds spill little (72 and 0 bytes of stack with Triton 3.9).
+    cases += [("d128-bf16-fused", 128, 128, torch.bfloat16, 0.0, True, False,
+               bwd.BwdConfig(32, 64, 8, 2, 64, 64, 4, 2, fused_dq=True)),
+              ("d64-bf16-softcap-fused", 64, 64, torch.bfloat16, 20.0, False, False,
+               bwd.BwdConfig(64, 128, 8, 2, 64, 64, 4, 2, fused_dq=True))]
+    for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)
         bwd._default_config.cache_clear()
@@ -179,10 +186,11 @@ def backward_builds():
         dlse = torch.empty(T, Hq) if with_dlse else None
         qr, kr, mt = _ranges(_docs(T, 3))
         plan = plan_mask(qr, kr, mt, T, T)
-        config = bwd.default_config(D, Dv, dtype, torch.device("cuda"), softcap=softcap != 0)
+        config = forced[0] if forced else bwd.default_config(D, Dv, dtype, torch.device("cuda"), softcap=softcap != 0)
         assert config.gluon_dkdv == name.endswith("-gluon"), (name, config)
         rec = _Recorder()
         bwd.launch = rec
+        bwd_fused.launch = rec
         bwd.range_attention_backward_triton(do, q, k, v, o, lse, qr, kr, mt, D ** -0.5, softcap, dlse,
                                             plan=plan, config=config)
         out.append((f"backward {name}", rec))

@@ -17,6 +17,10 @@ Two launches, no atomics, so every gradient is bitwise reproducible:
    slice that reaches those keys, every query head of the GQA group and every
    query tile of the slice's rows; it writes dK and dV once.
 
+``BwdConfig(fused_dq=True)`` replaces both by one key-major launch that also
+accumulates dQ, its adds taking turns in a fixed order
+(:mod:`flashrange.kernels.backward_fused`).
+
 Each slice is processed on its own (a cell covered twice counts twice). Along
 the walked axis the tiles of one slice are laid out around the run of tiles
 that the slice covers entirely: those skip the element mask and the bounds
@@ -41,6 +45,7 @@ from .common import (
     DEV_LOG2E,
     DEV_NO_DIAGONAL,
     WS_MAXNREG,
+    cast_rounded,
     ensure_tma_allocator,
     full_row_run,
     gluon_sm90_ready,
@@ -55,34 +60,14 @@ from .common import (
     query_span,
     slice_diagonals,
     sm_count,
+    tanh_exp2,
     tma_aligned,
     warn_gluon_fallback,
 )
+from .backward_fused import MAX_SPINS_GPU, fused_backward
 from .plan import build_plan
 
 __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
-
-
-@triton.jit
-def _tanh(x):
-    # Portable across Triton versions (no libdevice); saturates to +-1 cleanly.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * DEV_LOG2E)) + 1.0)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
-    """``x.to(dtype)``; with ``IS_BF16_EMULATED``, float32 rounded to bfloat16 values instead.
-
-    The Triton interpreter cannot multiply bfloat16 and truncates when it
-    converts to it; emulating keeps the GPU's numerics (operands rounded to
-    nearest even, float32 accumulation) in CPU tests.
-    """
-    if IS_BF16_EMULATED:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -132,7 +117,7 @@ def _dkdv_tiles(
             q = q.to(tl.float32)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
-            th = _tanh(qkT * (scale / softcap))
+            th = tanh_exp2(qkT * (scale / softcap))
             pT = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[None, :])
         else:
             pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
@@ -152,7 +137,7 @@ def _dkdv_tiles(
             delta = tl.load(delta_head_ptr + offs_m)
         if IS_BF16_EMULATED:
             do = do.to(tl.float32)
-        dv += tl.dot(_cast(pT, do.dtype, IS_BF16_EMULATED), do, input_precision=DOT_PRECISION)
+        dv += tl.dot(cast_rounded(pT, do.dtype, IS_BF16_EMULATED), do, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
@@ -161,7 +146,7 @@ def _dkdv_tiles(
             # A key of the block that these rows do not read may hold NaN in v (dpT):
             # 0 * NaN must not reach its dK.
             dsT = tl.where(cell, dsT, 0.0)
-        dk += tl.dot(_cast(dsT, q.dtype, IS_BF16_EMULATED), q, input_precision=DOT_PRECISION)
+        dk += tl.dot(cast_rounded(dsT, q.dtype, IS_BF16_EMULATED), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -243,9 +228,11 @@ def _bwd_dkdv_kernel(
 
     dk = dk * scale
     tl.store(dk_ptr + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
-             _cast(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_n[:, None] & (offs_d[None, :] < D))
+             cast_rounded(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED),
+             mask=mask_n[:, None] & (offs_d[None, :] < D))
     tl.store(dv_ptr + hk * stride_dvh + cols[:, None] * stride_dvt + offs_dv[None, :],
-             _cast(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_n[:, None] & (offs_dv[None, :] < DV))
+             cast_rounded(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED),
+             mask=mask_n[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -291,7 +278,7 @@ def _dq_tiles(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
-            th = _tanh(qk * (scale / softcap))
+            th = tanh_exp2(qk * (scale / softcap))
             p = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[:, None])
         else:
             p = tl.exp2(qk * qk_scale2 - lse2[:, None])
@@ -305,7 +292,7 @@ def _dq_tiles(
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - th * th)
-        dq += tl.dot(_cast(ds, k.dtype, IS_BF16_EMULATED), k, input_precision=DOT_PRECISION)
+        dq += tl.dot(cast_rounded(ds, k.dtype, IS_BF16_EMULATED), k, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -395,7 +382,7 @@ def _bwd_dq_kernel(
 
     dq = dq * scale
     tl.store(dq_ptr + h * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
-             _cast(dq, dq_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_m[:, None] & (offs_d[None, :] < D))
+             cast_rounded(dq, dq_ptr.dtype.element_ty, IS_BF16_EMULATED), mask=mask_m[:, None] & (offs_d[None, :] < D))
 
 
 @dataclass(frozen=True)
@@ -427,10 +414,14 @@ class BwdConfig:
     # The Gluon kernels launch one program per SM, each walking several of the Triton grid's work
     # items (docs/design.md, "The Hopper backward"); the Triton kernels keep their grid.
     persistent: bool = False
+    # One key-major Triton launch that also accumulates dQ, in turns (kernels/backward_fused.py): five
+    # matmuls per tile instead of seven, the same bits on every run. Opt-in, not timed yet; takes the
+    # dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of the dQ fields.
+    fused_dq: bool = False
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "fused_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -445,6 +436,8 @@ class BwdConfig:
             raise ValueError(f"BwdConfig.gluon_dkdv needs kv_block_n=128, got {self.kv_block_n}")
         if self.gluon_dq and self.q_block_m != 128:
             raise ValueError(f"BwdConfig.gluon_dq needs q_block_m=128, got {self.q_block_m}")
+        if self.fused_dq and (self.gluon_dkdv or self.gluon_dq):
+            raise ValueError("BwdConfig.fused_dq runs a Triton kernel: set gluon_dkdv and gluon_dq to False")
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
@@ -519,7 +512,9 @@ def range_attention_backward_triton(
     optional `(Tq, Hq)` gradient of `lse`; `q_ranges`, `k_ranges`: `(S, 2)`
     int32; `mask_types`: `(S,)` int32. Returns `(dq, dk, dv)` in the dtypes of
     `q, k, v`. Deterministic (no atomics), no host synchronisation, two kernel
-    launches (dQ, then dK/dV), extra memory O((Tq + Tk) * H + S). `plan`: the
+    launches (dQ, then dK/dV), extra memory O((Tq + Tk) * H + S); with
+    ``config.fused_dq``, one launch that also accumulates dQ in turns
+    (:mod:`flashrange.kernels.backward_fused`: deterministic too, O(Tq * H * D) more memory). `plan`: the
     mask's :class:`~flashrange.plan.RangePlan` (the forward's; built here when
     ``None``). `config` overrides :func:`default_config`.
     """
@@ -566,27 +561,35 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
     if not has_softcap:
         softcap = 1.0  # never read; keeps the division in the kernels' dead branch finite
     dev = q.device
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     # Row offsets inside the tile loops stay int32 unless some operand they walk (q, dO: dK/dV; k, v: dQ)
     # has an element offset, strides included (a view into a fused qkv buffer), that reaches 2**31. The
     # per-program loads and stores (O, lse, dlse, dQ, dK, dV, the workspace) use 64-bit offsets always.
     row64 = needs_int64(q, k, v, dout)
-    # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
-    ws = _workspace(Hq, Tq, dev)
-    has_dlse = dlse is not None
-    if not has_dlse:
-        dlse = lse  # never read
-    G = Hq // Hkv
-    # One stride() call per tensor (each is a call into torch).
-    sq, sk, sv, sdo, so, sl, sdl = (t.stride() for t in (q, k, v, dout, out, lse, dlse))
-    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
     # Triton launches on the current device; the inputs may live on another one.
     other_device = dev.type == "cuda" and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if other_device else contextlib.nullcontext():
         if plan is None:
             plan = build_plan(q_ranges, k_ranges, mask_types, Tq, Tk)
+        if cfg.fused_dq:
+            dot_prec, emu_bf16 = dkdv_meta[:2]
+            dq, dk, dv, _ = fused_backward(
+                dout, q, k, v, out, lse, dlse, plan, scale, softcap if has_softcap else 0.0,
+                block_m=cfg.kv_block_m, block_n=cfg.kv_block_n, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
+                dot_precision=dot_prec, bf16_emulated=emu_bf16, block_d=pad_dim(D), block_dv=pad_dim(Dv),
+                max_spins=1 if interpreting() else MAX_SPINS_GPU)
+            return dq, dk, dv
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
+        ws = _workspace(Hq, Tq, dev)
+        has_dlse = dlse is not None
+        if not has_dlse:
+            dlse = lse  # never read
+        G = Hq // Hkv
+        # One stride() call per tensor (each is a call into torch).
+        sq, sk, sv, sdo, so, sl, sdl = (t.stride() for t in (q, k, v, dout, out, lse, dlse))
+        sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
         dq_args = (
             q, k, v, dout, out, lse, dlse, ws, dq,
             plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,

@@ -33,6 +33,8 @@ __all__ = [
     "DEV_INV_CAUSAL",
     "DEV_BI_CAUSAL",
     "slice_diagonals",
+    "tanh_exp2",
+    "cast_rounded",
     "key_span",
     "full_row_run",
     "plan_program",
@@ -254,6 +256,28 @@ def plan_split(block: int) -> int:
     if block > PLAN_BLOCK or PLAN_BLOCK % block:
         raise ValueError(f"a kernel tile of {block} rows does not divide the plan's {PLAN_BLOCK}-row blocks")
     return PLAN_BLOCK // block
+
+
+@triton.jit
+def tanh_exp2(x):
+    """``tanh(x)`` from one ``exp2``: portable across Triton versions (no libdevice), saturates to +-1 cleanly."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * DEV_LOG2E)) + 1.0)
+
+
+@triton.jit
+def cast_rounded(x, dtype: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
+    """``x.to(dtype)``; with ``IS_BF16_EMULATED``, float32 rounded to bfloat16 values instead.
+
+    The Triton interpreter cannot multiply bfloat16 and truncates when it
+    converts to it; emulating keeps the GPU's numerics (operands rounded to
+    nearest even, float32 accumulation) in CPU tests.
+    """
+    if IS_BF16_EMULATED:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
