@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT). Twelfth session, third call: the
-# dK/dV kernel at head dim 64 holding 128-row tiles by rows, against the default 64-row tiles held by keys
-# (float64 fuzz, bitwise check, timings), and the GPU test that the two give the same bits.
+# The runs of one device call, edited per session (logs under $OUT). As left by the twelfth session, for the
+# next one: the first GPU runs of the backward that accumulates dQ in its key-major kernel (Triton,
+# BwdConfig(fused_dq=True)): its GPU test (turns under real concurrency, bitwise reruns), then an A/B
+# against the default backward (float64 fuzz, then timings) at head dims 128 and 64.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -d .fa4/A ] && cp -r .fa4/A /tmp/fa4A
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-timeout 170 python scripts/ab.py --fuzz 24 --fuzz-d 64 --cases full-8k-d64,causal-8k-d64 --reps 15 \
-  --bwd main:default --bwd "main:128,128,8,3,128,128,8,3,dkdv+dq+persistent" \
-  --bwd "main:128,128,8,2,128,128,8,3,dkdv+dq+persistent" > "$OUT/ab.log" 2>&1
-grep -v "^$" "$OUT/ab.log" | tail -n 14
-timeout 130 python -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_backward.py -k "by_rows and d64" \
-  2>&1 | tail -n 8 | tee "$OUT/pytest.log"
+timeout 200 python -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_backward.py -k "fused" \
+  2>&1 | tail -n 15 | tee "$OUT/pytest_fused.log"
+timeout 200 python scripts/ab.py --fuzz 20 --cases full-8k,causal-8k,doc128-32k --reps 11 \
+  --bwd main:default --bwd "main:32,64,8,2,64,64,4,2,fused" > "$OUT/ab128.log" 2>&1
+grep -v "^$" "$OUT/ab128.log" | tail -n 8
+timeout 150 python scripts/ab.py --fuzz 10 --fuzz-d 64 --cases full-8k-d64,causal-8k-d64 --reps 11 \
+  --bwd main:default --bwd "main:64,128,8,2,64,64,4,2,fused" > "$OUT/ab64.log" 2>&1
+grep -v "^$" "$OUT/ab64.log" | tail -n 6

@@ -594,3 +594,39 @@ def test_gluon_backward_packed_heads_is_bitwise_the_same(kind):
     got = range_attention_backward_triton(*args, out, lse, qr, kr, mt, None, 0.0, dlse, config=cfg)
     for a, b in zip((dq, dk, dv), got):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# dQ accumulated in the key-major kernel (kernels/backward_fused.py): the turns under real concurrency
+
+# (D, Dv, dK/dV tile rows, keys, warps, stages): shapes whose sm_90 builds spill little.
+FUSED_GPU = [
+    pytest.param(128, 128, (32, 64, 8, 2), id="d128"),
+    pytest.param(64, 64, (64, 128, 8, 2), id="d64"),
+    pytest.param(96, 64, (32, 64, 8, 2), id="d96-dv64"),
+]
+
+
+@pytest.mark.parametrize("D, Dv, tiles", FUSED_GPU)
+def test_fused_dq_backward_on_the_gpu(D, Dv, tiles):
+    """Hundreds of programs adding to the same query tiles at once: gradients within the three-way budget,
+    every turn due (error flag 0), and five reruns bitwise equal (the adds' order does not depend on timing)."""
+    from flashrange.kernels.backward import BwdConfig
+    from flashrange.kernels.backward_fused import MAX_SPINS_GPU, fused_backward
+    from flashrange.kernels.common import pad_dim
+
+    config = BwdConfig(*tiles, 64, 64, 4, 2, fused_dq=True)
+    T = 3001
+    rows = (_docs(T, 19, 8) + [(100, 2000, 50, 1900, FULL), (2000, 3001, 2000, 2900, INV_CAUSAL),
+                               (0, T, 0, T, CAUSAL)] + short_slice_rows(T, T, 60, random.Random(3)))
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
+        T, T, 8, 2, D, Dv, rows, torch.bfloat16, softcap=0.0, seed=12, config=config)
+    for _ in range(5):
+        again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=config)
+        assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+    plan = flashrange.plan_mask(qr, kr, mt, T, T)
+    *_, error = fused_backward(do, q, k, v, out, lse, dlse, plan, D ** -0.5, 0.0, block_m=config.kv_block_m,
+                               block_n=config.kv_block_n, num_warps=config.kv_warps, num_stages=config.kv_stages,
+                               dot_precision="tf32", bf16_emulated=False, block_d=pad_dim(D), block_dv=pad_dim(Dv),
+                               max_spins=MAX_SPINS_GPU)
+    assert int(error) == 0

@@ -213,6 +213,9 @@ def _bwd_fused_kernel(
             acc = tl.load(acc_ptrs, mask=mask_acc, other=0.0, cache_modifier=".cg")
             tl.store(acc_ptrs, acc + dq_part, mask=mask_acc)
             if _reaches(k_slices_ptr, s + 1, s_hi, c0, c1, r, r1, BLOCK_S) == 0:
+                # Every thread's stores before the one release (a scalar atomic runs in one thread; the
+                # barrier puts the others' stores before it, and the release makes them visible with it).
+                tl.debug_barrier()
                 tl.atomic_xchg(turn, n + 1, sem="release")
 
     dk = dk * scale
