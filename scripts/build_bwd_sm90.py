@@ -5,7 +5,7 @@
 ``flags``: any of ``dkdv``, ``dq``, ``persistent`` (the Gluon kernels) and ``fused`` (dQ in the key-major
 kernel), joined by ``+``. Reuses the recorder and the resource report of ``tests/sm90_builds.py``. With
 ``DUMP_DIR`` set, each build's cubin and PTX go there (``cuobjdump -sass`` of the cubin shows spills as
-``STL`` / ``LDL``).
+``STL`` / ``LDL``); ``SOFTCAP`` (a float) builds the softcap variants.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main(argv):
     from flashrange.kernels import backward_fused as bwd_fused
 
     D, Dv = int(argv[0]), int(argv[1])
+    softcap = float(os.environ.get("SOFTCAP", "0"))
     for spec in argv[2:]:
         config = backward_config(spec, bwd.BwdConfig)
         T, Hq, dtype = 300, 4, torch.bfloat16
@@ -39,7 +40,7 @@ def main(argv):
         rec = sb._Recorder()
         bwd.launch = rec
         bwd_fused.launch = rec
-        bwd.range_attention_backward_triton(o, q, k, v, o, torch.empty(T, Hq), qr, kr, mt, D ** -0.5, 0.0, None,
+        bwd.range_attention_backward_triton(o, q, k, v, o, torch.empty(T, Hq), qr, kr, mt, D ** -0.5, softcap, None,
                                             plan=plan, config=config)
         for kernel, args, num_warps, num_stages, maxnreg in rec.launches:
             t0 = time.perf_counter()

@@ -46,12 +46,16 @@ from .common import (
     DEV_NO_DIAGONAL,
     WS_MAXNREG,
     cast_rounded,
+    dkdv_accumulate,
+    dkdv_cells,
+    dkdv_probs,
     ensure_tma_allocator,
     full_row_run,
     gluon_sm90_ready,
     interpreting,
     key_span,
     launch,
+    load_head_rows,
     needs_int64,
     pad_dim,
     packed_heads,
@@ -60,6 +64,7 @@ from .common import (
     query_span,
     slice_diagonals,
     sm_count,
+    store_head_rows,
     tanh_exp2,
     tma_aligned,
     warn_gluon_fallback,
@@ -115,21 +120,16 @@ def _dkdv_tiles(
             lse2 = tl.load(lse2_head_ptr + offs_m)
         if IS_BF16_EMULATED:
             q = q.to(tl.float32)
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            th = tanh_exp2(qkT * (scale / softcap))
-            pT = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[None, :])
-        else:
-            pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
+        pT, th = dkdv_probs(k, q, lse2, qk_scale2, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         if IS_MASKED:
             # Rows outside [m_lo, m_hi) (inside the slice's rows) already have
             # p = 0 through lse = +inf; keys and diagonals remain.
-            diag = offs_n[:, None] - offs_m[None, :]
-            cell = ((offs_n >= ks) & (offs_n < ke))[:, None] & (diag <= d_hi) & (diag >= d_lo)
+            cell = dkdv_cells(offs_n, offs_m, ks, ke, d_lo, d_hi)
             pT = tl.where(cell, pT, 0.0)
             do = tl.load(do_ptrs, mask=mask_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
             delta = tl.load(delta_head_ptr + offs_m, mask=mask_m, other=0.0)
         else:
+            cell = pT  # unused
             if IS_DV_PADDED:
                 do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
             else:
@@ -137,16 +137,8 @@ def _dkdv_tiles(
             delta = tl.load(delta_head_ptr + offs_m)
         if IS_BF16_EMULATED:
             do = do.to(tl.float32)
-        dv += tl.dot(cast_rounded(pT, do.dtype, IS_BF16_EMULATED), do, input_precision=DOT_PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - th * th)
-        if IS_MASKED:
-            # A key of the block that these rows do not read may hold NaN in v (dpT):
-            # 0 * NaN must not reach its dK.
-            dsT = tl.where(cell, dsT, 0.0)
-        dk += tl.dot(cast_rounded(dsT, q.dtype, IS_BF16_EMULATED), q, input_precision=DOT_PRECISION)
+        dk, dv, _ = dkdv_accumulate(dk, dv, v, q, do, delta, pT, th, cell, IS_MASKED, HAS_SOFTCAP, DOT_PRECISION,
+                                    IS_BF16_EMULATED)
     return dk, dv
 
 
@@ -174,10 +166,8 @@ def _bwd_dkdv_kernel(
     mask_n = offs_n < Tk
     cols = offs_n.to(tl.int64)
     hk = pid_hk.to(tl.int64)
-    k = tl.load(k_ptr + hk * stride_kh + cols[:, None] * stride_kt + offs_d[None, :],
-                mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(v_ptr + hk * stride_vh + cols[:, None] * stride_vt + offs_dv[None, :],
-                mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    k = load_head_rows(k_ptr, hk, cols, mask_n, offs_d, D, stride_kt, stride_kh)
+    v = load_head_rows(v_ptr, hk, cols, mask_n, offs_dv, DV, stride_vt, stride_vh)
     if IS_BF16_EMULATED:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -227,12 +217,10 @@ def _bwd_dkdv_kernel(
         )
 
     dk = dk * scale
-    tl.store(dk_ptr + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
-             cast_rounded(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED),
-             mask=mask_n[:, None] & (offs_d[None, :] < D))
-    tl.store(dv_ptr + hk * stride_dvh + cols[:, None] * stride_dvt + offs_dv[None, :],
-             cast_rounded(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED),
-             mask=mask_n[:, None] & (offs_dv[None, :] < DV))
+    store_head_rows(dk_ptr, cast_rounded(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED), hk, cols, mask_n, offs_d, D,
+                    stride_dkt, stride_dkh)
+    store_head_rows(dv_ptr, cast_rounded(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED), hk, cols, mask_n, offs_dv,
+                    DV, stride_dvt, stride_dvh)
 
 
 @triton.jit

@@ -40,11 +40,15 @@ from .common import (
     DEV_NO_DIAGONAL,
     LOG2E,
     cast_rounded,
+    dkdv_accumulate,
+    dkdv_cells,
+    dkdv_probs,
     key_span,
     launch,
+    load_head_rows,
     query_span,
     slice_diagonals,
-    tanh_exp2,
+    store_head_rows,
 )
 
 __all__ = ["fused_backward", "MAX_SPINS_GPU"]
@@ -130,10 +134,8 @@ def _bwd_fused_kernel(
     mask_n = offs_n < Tk
     cols = offs_n.to(tl.int64)
     hk = pid_hk.to(tl.int64)
-    k = tl.load(k_ptr + hk * stride_kh + cols[:, None] * stride_kt + offs_d[None, :],
-                mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(v_ptr + hk * stride_vh + cols[:, None] * stride_vt + offs_dv[None, :],
-                mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    k = load_head_rows(k_ptr, hk, cols, mask_n, offs_d, D, stride_kt, stride_kh)
+    v = load_head_rows(v_ptr, hk, cols, mask_n, offs_dv, DV, stride_vt, stride_vh)
     if IS_BF16_EMULATED:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -164,33 +166,19 @@ def _bwd_fused_kernel(
             offs_m = r + offs_r
             rows = offs_m.to(tl.int64)
             mask_m = (offs_m >= m_lo) & (offs_m < m_hi)
-            q = tl.load(q_ptr + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-                        mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(do_ptr + h * stride_doh + rows[:, None] * stride_dot + offs_dv[None, :],
-                         mask=mask_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            q = load_head_rows(q_ptr, h, rows, mask_m, offs_d, D, stride_qt, stride_qh)
+            do = load_head_rows(do_ptr, h, rows, mask_m, offs_dv, DV, stride_dot, stride_doh)
             # Rows outside the slice's reach: p = 0 through lse = +inf.
             lse2 = tl.load(lse2_ptr + h * Tq + offs_m, mask=mask_m, other=float("inf"))
             delta = tl.load(ws_ptr + h * Tq + offs_m, mask=mask_m, other=0.0)
             if IS_BF16_EMULATED:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
-            qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            if HAS_SOFTCAP:
-                th = tanh_exp2(qkT * (scale / softcap))
-                pT = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[None, :])
-            else:
-                pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
-            diag = offs_n[:, None] - offs_m[None, :]
-            cell = ((offs_n >= ks) & (offs_n < ke))[:, None] & (diag <= d_hi) & (diag >= d_lo)
+            pT, th = dkdv_probs(k, q, lse2, qk_scale2, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
+            cell = dkdv_cells(offs_n, offs_m, ks, ke, d_lo, d_hi)
             pT = tl.where(cell, pT, 0.0)
-            dv += tl.dot(cast_rounded(pT, do.dtype, IS_BF16_EMULATED), do, input_precision=DOT_PRECISION)
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dsT = pT * (dpT - delta[None, :])
-            if HAS_SOFTCAP:
-                dsT = dsT * (1.0 - th * th)
-            # A key these rows do not read may hold NaN in v: 0 * NaN must reach neither dK nor dQ.
-            dsT = cast_rounded(tl.where(cell, dsT, 0.0), q.dtype, IS_BF16_EMULATED)
-            dk += tl.dot(dsT, q, input_precision=DOT_PRECISION)
+            dk, dv, dsT = dkdv_accumulate(dk, dv, v, q, do, delta, pT, th, cell, True, HAS_SOFTCAP, DOT_PRECISION,
+                                          IS_BF16_EMULATED)
             dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)
 
             r1 = tl.minimum(r + BLOCK_M, Tq)
@@ -219,12 +207,10 @@ def _bwd_fused_kernel(
                 tl.atomic_xchg(turn, n + 1, sem="release")
 
     dk = dk * scale
-    tl.store(dk_ptr + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :],
-             cast_rounded(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED),
-             mask=mask_n[:, None] & (offs_d[None, :] < D))
-    tl.store(dv_ptr + hk * stride_dvh + cols[:, None] * stride_dvt + offs_dv[None, :],
-             cast_rounded(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED),
-             mask=mask_n[:, None] & (offs_dv[None, :] < DV))
+    store_head_rows(dk_ptr, cast_rounded(dk, dk_ptr.dtype.element_ty, IS_BF16_EMULATED), hk, cols, mask_n, offs_d, D,
+                    stride_dkt, stride_dkh)
+    store_head_rows(dv_ptr, cast_rounded(dv, dv_ptr.dtype.element_ty, IS_BF16_EMULATED), hk, cols, mask_n, offs_dv,
+                    DV, stride_dvt, stride_dvh)
 
 
 def _delta_and_lse2(dout, out, lse, dlse):

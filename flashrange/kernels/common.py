@@ -35,6 +35,11 @@ __all__ = [
     "slice_diagonals",
     "tanh_exp2",
     "cast_rounded",
+    "load_head_rows",
+    "store_head_rows",
+    "dkdv_probs",
+    "dkdv_cells",
+    "dkdv_accumulate",
     "key_span",
     "full_row_run",
     "plan_program",
@@ -278,6 +283,61 @@ def cast_rounded(x, dtype: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def load_head_rows(ptr, head, rows, mask_rows, offs_c, width, stride_t, stride_h):
+    """Rows ``rows`` of head ``head`` of a ``(T, H, X)`` tensor at columns ``offs_c``: zeros outside
+    ``mask_rows`` and past column ``width``."""
+    return tl.load(ptr + head * stride_h + rows[:, None] * stride_t + offs_c[None, :],
+                   mask=mask_rows[:, None] & (offs_c[None, :] < width), other=0.0)
+
+
+@triton.jit
+def store_head_rows(ptr, x, head, rows, mask_rows, offs_c, width, stride_t, stride_h):
+    """``x`` into rows ``rows`` of head ``head`` of a ``(T, H, X)`` tensor, where ``mask_rows`` and below
+    column ``width``."""
+    tl.store(ptr + head * stride_h + rows[:, None] * stride_t + offs_c[None, :], x,
+             mask=mask_rows[:, None] & (offs_c[None, :] < width))
+
+
+@triton.jit
+def dkdv_probs(k, q, lse2, qk_scale2, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(P^T, th)`` of one query tile of a key block (keys by rows, before the element mask): ``th`` is the
+    tanh of the capped scores with ``HAS_SOFTCAP`` (else unused). Shared by the Triton dK/dV kernels."""
+    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        th = tanh_exp2(qkT * (scale / softcap))
+        pT = tl.exp2(th * (softcap * DEV_LOG2E) - lse2[None, :])
+    else:
+        th = qkT
+        pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
+    return pT, th
+
+
+@triton.jit
+def dkdv_cells(offs_n, offs_m, ks, ke, d_lo, d_hi):
+    """The slice's cells among keys ``offs_n`` by rows ``offs_m`` (diagonal bounds of key - row)."""
+    diag = offs_n[:, None] - offs_m[None, :]
+    return ((offs_n >= ks) & (offs_n < ke))[:, None] & (diag <= d_hi) & (diag >= d_lo)
+
+
+@triton.jit
+def dkdv_accumulate(dk, dv, v, q, do, delta, pT, th, cell, IS_MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
+    """One query tile's ``dV += P^T dO`` and ``dK += dS^T Q``: ``(dk, dv, dS^T)``, ``dS^T`` rounded to q's dtype
+    (masked at ``cell`` with ``IS_MASKED``: a key these rows do not read may hold NaN in v, and 0 * NaN must
+    reach no gradient)."""
+    dv += tl.dot(cast_rounded(pT, do.dtype, IS_BF16_EMULATED), do, input_precision=DOT_PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    if HAS_SOFTCAP:
+        dsT = dsT * (1.0 - th * th)
+    if IS_MASKED:
+        dsT = tl.where(cell, dsT, 0.0)
+    dsT = cast_rounded(dsT, q.dtype, IS_BF16_EMULATED)
+    dk += tl.dot(dsT, q, input_precision=DOT_PRECISION)
+    return dk, dv, dsT
 
 
 @triton.jit
