@@ -53,10 +53,10 @@ from .common import (
 
 __all__ = ["fused_backward", "MAX_SPINS_GPU"]
 
-# Polls of a turn counter before a wait counts as an error (about a second and more on a GPU; a
-# correct turn never takes that long). The interpreter runs programs one after another in ticket
-# order, where every turn is already due: one poll.
-MAX_SPINS_GPU = 1 << 26
+# Polls of a turn counter before a wait counts as an error: seconds on a GPU, where a correct turn
+# waits at most for a few earlier key tiles' walks (milliseconds). The interpreter runs programs one
+# after another in ticket order, where every turn is already due: one poll.
+MAX_SPINS_GPU = 1 << 22
 # Slices read per step when a program scans a plan window.
 _BLOCK_S = 16
 
@@ -202,7 +202,8 @@ def _bwd_fused_kernel(
             tl.store(acc_ptrs, acc + dq_part, mask=mask_acc)
             if _reaches(k_slices_ptr, s + 1, s_hi, c0, c1, r, r1, BLOCK_S) == 0:
                 # Every thread's stores before the one release (a scalar atomic runs in one thread; the
-                # barrier puts the others' stores before it, and the release makes them visible with it).
+                # barrier puts the others' stores before it, and the release makes them visible with it:
+                # the lock pattern of Triton's own atomic tests).
                 tl.debug_barrier()
                 tl.atomic_xchg(turn, n + 1, sem="release")
 
