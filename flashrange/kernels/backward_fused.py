@@ -15,7 +15,8 @@ turns in a fixed order:
 - Each (head, query tile) has a turn counter: the key tile ``n`` that adds to it
   waits until the counter holds ``p + 1``, ``p`` the largest key tile below
   ``n`` that reaches the tile (``-1`` when none: the counter starts at 0), and
-  writes ``n + 1`` after its last slice's add. ``p`` is a maximum over the
+  writes ``n + 1`` after its last slice's add (float32 atomic adds in L2, ordered by the counter's
+  acquire and release). ``p`` is a maximum over the
   slices of the query-major plan that cover the tile's rows (each gives an
   interval of key tiles), so no list of contributors is ever built.
 - Programs take their key tiles through a ticket counter in increasing order,
@@ -195,15 +196,13 @@ def _bwd_fused_kernel(
                     spins += 1
                 if now != due:
                     tl.atomic_max(error_ptr, 1)
-            acc_ptrs = dq_acc_ptr + (rows[:, None] * Hq + h) * BLOCK_D + offs_d[None, :]
-            mask_acc = (offs_m < Tq)[:, None]
-            # Past L1: the previous turn's adds were made by another program.
-            acc = tl.load(acc_ptrs, mask=mask_acc, other=0.0, cache_modifier=".cg")
-            tl.store(acc_ptrs, acc + dq_part, mask=mask_acc)
+            # Adds done in L2 (no read back; the turn orders them): one per element and contributor.
+            tl.atomic_add(dq_acc_ptr + (rows[:, None] * Hq + h) * BLOCK_D + offs_d[None, :], dq_part,
+                          mask=(offs_m < Tq)[:, None], sem="relaxed")
             if _reaches(k_slices_ptr, s + 1, s_hi, c0, c1, r, r1, BLOCK_S) == 0:
-                # Every thread's stores before the one release (a scalar atomic runs in one thread; the
-                # barrier puts the others' stores before it, and the release makes them visible with it:
-                # the lock pattern of Triton's own atomic tests).
+                # Every thread's adds before the one release (a scalar atomic runs in one thread; the
+                # barrier puts the others' adds before it, and the release orders them before the next
+                # contributor's: the lock pattern of Triton's own atomic tests).
                 tl.debug_barrier()
                 tl.atomic_xchg(turn, n + 1, sem="release")
 
