@@ -39,7 +39,6 @@ from ..constants import PLAN_BLOCK
 from .common import (
     DEV_LOG2E,
     DEV_NO_DIAGONAL,
-    LOG2E,
     cast_rounded,
     dkdv_accumulate,
     dkdv_cells,
@@ -213,29 +212,51 @@ def _bwd_fused_kernel(
                     DV, stride_dvt, stride_dvh)
 
 
-def _delta_and_lse2(dout, out, lse, dlse):
-    """The ``(2, Hq, Tq)`` float32 workspace of the dK/dV kernels: ``delta = rowsum(dO * O) - dlse`` and
-    ``lse * log2(e)``; rows no slice covers (``lse = -inf``) get 0 and ``+inf`` (a NaN in their dO or O
-    stays out)."""
-    covered = lse > float("-inf")
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = torch.where(covered, delta, 0.0)
-    lse2 = torch.where(covered, lse.float() * LOG2E, float("inf"))
-    return torch.stack([delta.t(), lse2.t()]).contiguous()
+@triton.jit(do_not_specialize=["Tq", "Hq", "DV"])
+def _bwd_rows_kernel(
+    do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, Tq, Hq, DV,
+    stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """The workspace rows of ``BLOCK_M`` rows of one head, as the dQ kernel of ``kernels/backward.py`` writes
+    them: ``delta = rowsum(dO * O) - dlse`` and ``lse * log2(e)``; rows no slice covers (``lse = -inf``) get
+    0 and ``+inf``, their dO, O and dlse unread (a NaN there stays out)."""
+    h = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < Tq
+    rows = offs_m.to(tl.int64)
+    lse = tl.load(lse_ptr + h * stride_lh + rows * stride_lt, mask=mask_m, other=float("-inf")).to(tl.float32)
+    covered = lse != float("-inf")
+    lse2 = tl.where(covered, lse * DEV_LOG2E, float("inf"))
+    do = load_head_rows(do_ptr, h, rows, covered, offs_dv, DV, stride_dot, stride_doh)
+    o = load_head_rows(o_ptr, h, rows, covered, offs_dv, DV, stride_ot, stride_oh)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + h * stride_dlh + rows * stride_dlt, mask=covered, other=0.0).to(tl.float32)
+    tl.store(ws_ptr + h * Tq + offs_m, delta, mask=mask_m)
+    tl.store(ws_ptr + (Hq + h) * Tq + offs_m, lse2, mask=mask_m)
 
 
 def fused_backward(dout, q, k, v, out, lse, dlse, plan, scale, softcap, *, block_m, block_n, num_warps,
                    num_stages, dot_precision, bf16_emulated, block_d, block_dv, max_spins):
-    """``(dq, dk, dv, error)`` from one key-major launch (plus the workspace and dQ's conversion); ``error``: a
+    """``(dq, dk, dv, error)`` from one key-major launch (after one that writes the rows' delta and scaled lse;
+    then dQ's conversion); ``error``: a
     one-element int32 tensor, nonzero when a turn was not due after ``max_spins`` polls (never read here:
     that would synchronise). Inputs as :func:`~flashrange.kernels.backward.range_attention_backward_triton`
     after its checks, last dims contiguous; ``softcap`` is 0 for none."""
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     dev = q.device
-    ws = _delta_and_lse2(dout, out, lse, dlse)
+    # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each.
+    ws = torch.empty(2, Hq, Tq, dtype=torch.float32, device=dev)
+    has_dlse = dlse is not None
+    dl = dlse if has_dlse else lse  # never read without a dlse
+    so, sdo, sl, sdl = out.stride(), dout.stride(), lse.stride(), dl.stride()
+    rows_m = 64
+    launch(_bwd_rows_kernel, (triton.cdiv(Tq, rows_m), Hq),
+           (dout, out, lse, dl, ws, Tq, Hq, Dv, sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1],
+            has_dlse, rows_m, block_dv), num_warps=4)
     n_row_tiles = triton.cdiv(Tq, block_m)
     dq_acc = torch.zeros(Tq, Hq, block_d, dtype=torch.float32, device=dev)
     counters = torch.zeros(Hq * n_row_tiles + 2, dtype=torch.int32, device=dev)
@@ -243,7 +264,7 @@ def fused_backward(dout, q, k, v, out, lse, dlse, plan, scale, softcap, *, block
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     has_softcap = softcap > 0.0
-    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), dout.stride()
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
     sdk, sdv = dk.stride(), dv.stride()
     grid = (triton.cdiv(Tk, block_n) * Hkv,)
     args = (
