@@ -57,6 +57,8 @@ CASES = [
                  torch.bfloat16, 20.0, True, id="cross-gqa4-dv16-softcap-dlse-bf16"),
     pytest.param(63, 63, 3, 3, 16, 24, lambda T, _: [(0, 63, 0, 63, FULL), (0, 63, 0, 63, CAUSAL)], torch.float32,
                  0.0, False, id="full-and-causal-on-the-same-cells-fp32"),
+    pytest.param(77, 77, 6, 2, 16, 40, lambda T, _: _docs(T, 4, 5) + [(30, 77, 0, 20, FULL)], torch.bfloat16, 0.0,
+                 True, id="gqa3-dv40-documents-and-a-prefix-bf16"),
 ]
 
 
