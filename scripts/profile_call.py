@@ -5,7 +5,7 @@
 Each case: the bench's inputs and mask, a few warm calls, then ``--reps`` calls of
 ``flashrange.range_attention`` (and of its backward) under ``torch.profiler``; the table lists
 every CUDA kernel's time per call, so the plan, the delta preprocess and the gradient kernels
-show up separately.
+show up separately, and each attention kernel's TFLOP/s on its own matmuls.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashrange
 from flashrange.bench.cases import select
-from flashrange.bench.runner import make_inputs
+from flashrange.bench.runner import case_flops, make_inputs
+
+
+# Matmuls per tile of each attention kernel; one matmul over the mask's area taken as half a forward (exact when
+# D = Dv).
+_MATMULS = {"range_attn_fwd_sm90_ws_kernel": 2, "_range_attn_fwd_kernel": 2, "bwd_dq_sm90_kernel": 3,
+            "_bwd_dq_kernel": 3, "bwd_dkdv_sm90_kernel": 4, "_bwd_dkdv_kernel": 4, "_bwd_fused_kernel": 5}
 
 
 def _kernel_table(prof, reps):
@@ -39,7 +45,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     for case in select(args.cases):
-        mask = case.build(dev).mask
+        built = case.build(dev)
+        mask, area = built.mask, built.area
         q, k, v, dout = make_inputs(case, dev, torch.bfloat16)
         q.requires_grad_(True)
         k.requires_grad_(True)
@@ -61,9 +68,11 @@ def main(argv=None):
                     fn()
                 torch.cuda.synchronize()
             rows = _kernel_table(prof, args.reps)
-            print(f"--- {case.name}, {label}: GPU us per call, kernels per call")
+            print(f"--- {case.name}, {label}: GPU us per call, kernels per call, TFLOP/s on the kernel's matmuls")
+            matmul = case_flops(case, area)["fwd"] / 2
             for us, n, name in rows[:12]:
-                print(f"{us:10.1f} {n:4d}  {name[:110]}")
+                rate = f"{_MATMULS[name] * matmul / us / 1e6:7.0f}" if name in _MATMULS else " " * 7
+                print(f"{us:10.1f} {n:4d} {rate}  {name[:100]}")
             print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
 
 
