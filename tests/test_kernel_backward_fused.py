@@ -141,3 +141,27 @@ def test_fused_config_checks():
         BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, gluon_dkdv=True, fused_dq=True)
     with pytest.raises(ValueError, match="fused_dq must be a bool"):
         BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, fused_dq=1)
+
+
+@pytest.mark.parametrize(
+    "Tq, Tk, rows",
+    [
+        pytest.param(1, 1, [(0, 1, 0, 1, CAUSAL)], id="one-token"),
+        pytest.param(19, 5, [(0, 0, 0, 0, FULL), (7, 7, 0, 5, CAUSAL), (3, 9, 2, 2, FULL)], id="only-empty-slices"),
+        pytest.param(40, 17, [(-4, 60, -9, 30, FULL), (30, 20, 0, 17, CAUSAL), (5, 25, 3, 12, 9)],
+                     id="garbage-ranges-clamped-or-ignored"),
+    ],
+)
+def test_fused_edges_equal_the_two_kernel_backward(Tq, Tk, rows):
+    """Edges the plan resolves (a single token, slices that cover nothing, ranges past the tensors, an unknown
+    type code): the same gradients as the two-kernel backward, zeros where nothing is covered."""
+    q, k, v, do, dlse = _inputs(Tq, Tk, 2, 1, 16, 16, torch.float32, 6)
+    qr, kr, mt = _ranges(rows)
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None, 0.0)
+    fused = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=FUSED)
+    split = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
+                                            config=BwdConfig(16, 32, 4, 1, 32, 32, 4, 1))
+    for a, b in zip(fused, split):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    if all(qe <= qs or ke <= ks for qs, qe, ks, ke, _ in rows):
+        assert not any(g.any() for g in fused)
