@@ -15,8 +15,8 @@ turns in a fixed order:
 - Each (head, query tile) has a turn counter: the key tile ``n`` that adds to it
   waits until the counter holds ``p + 1``, ``p`` the largest key tile below
   ``n`` that reaches the tile (``-1`` when none: the counter starts at 0), and
-  writes ``n + 1`` after its last slice's add (float32 atomic adds in L2, ordered by the counter's
-  acquire and release). ``p`` is a maximum over the
+  writes ``n + 1`` after its last slice's add (float32 atomic adds in L2,
+  ordered by the counter's acquire and release). ``p`` is a maximum over the
   slices of the query-major plan that cover the tile's rows (each gives an
   interval of key tiles), so no list of contributors is ever built.
 - Programs take their key tiles through a ticket counter in increasing order,
