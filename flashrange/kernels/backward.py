@@ -63,6 +63,7 @@ from .common import (
     plan_split,
     query_span,
     slice_diagonals,
+    slice_row,
     sm_count,
     store_head_rows,
     tanh_exp2,
@@ -183,11 +184,7 @@ def _bwd_dkdv_kernel(
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         g = sg - s * G
-        qs = tl.load(slices_ptr + s * 5)
-        qe = tl.load(slices_ptr + s * 5 + 1)
-        ks = tl.load(slices_ptr + s * 5 + 2)
-        ke = tl.load(slices_ptr + s * 5 + 3)
-        mtype = tl.load(slices_ptr + s * 5 + 4)
+        qs, qe, ks, ke, mtype = slice_row(slices_ptr, s)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
         m_lo, m_hi = query_span(c0, c1, qs, qe, ks, ke, mtype)
         # Rows that read every key of the block form one run [f_lo, f_hi).
@@ -334,11 +331,7 @@ def _bwd_dq_kernel(
     qk_scale2 = scale * DEV_LOG2E
 
     for s in range(s_lo, s_hi):
-        qs = tl.load(slices_ptr + s * 5)
-        qe = tl.load(slices_ptr + s * 5 + 1)
-        ks = tl.load(slices_ptr + s * 5 + 2)
-        ke = tl.load(slices_ptr + s * 5 + 3)
-        mtype = tl.load(slices_ptr + s * 5 + 4)
+        qs, qe, ks, ke, mtype = slice_row(slices_ptr, s)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
         n_lo, n_hi = key_span(r0, r1, qs, qe, ks, ke, mtype)
         # Keys that every row of the block reads form one run [f_lo, f_hi).
@@ -549,10 +542,6 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
     if not has_softcap:
         softcap = 1.0  # never read; keeps the division in the kernels' dead branch finite
     dev = q.device
-    # Row offsets inside the tile loops stay int32 unless some operand they walk (q, dO: dK/dV; k, v: dQ)
-    # has an element offset, strides included (a view into a fused qkv buffer), that reaches 2**31. The
-    # per-program loads and stores (O, lse, dlse, dQ, dK, dV, the workspace) use 64-bit offsets always.
-    row64 = needs_int64(q, k, v, dout)
     # Triton launches on the current device; the inputs may live on another one.
     other_device = dev.type == "cuda" and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if other_device else contextlib.nullcontext():
@@ -566,6 +555,10 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                 dot_precision=dot_prec, bf16_emulated=emu_bf16, block_d=pad_dim(D), block_dv=pad_dim(Dv),
                 max_spins=1 if interpreting() else MAX_SPINS_GPU)
             return dq, dk, dv
+        # Row offsets inside the tile loops stay int32 unless some operand they walk (q, dO: dK/dV; k, v: dQ)
+        # has an element offset, strides included (a view into a fused qkv buffer), that reaches 2**31. The
+        # per-program loads and stores (O, lse, dlse, dQ, dK, dV, the workspace) use 64-bit offsets always.
+        row64 = needs_int64(q, k, v, dout)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)

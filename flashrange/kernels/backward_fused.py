@@ -48,6 +48,7 @@ from .common import (
     load_head_rows,
     query_span,
     slice_diagonals,
+    slice_row,
     store_head_rows,
 )
 
@@ -147,11 +148,7 @@ def _bwd_fused_kernel(
     for sg in range(s_lo * G, s_hi * G):
         s = sg // G
         g = sg - s * G
-        qs = tl.load(k_slices_ptr + s * 5)
-        qe = tl.load(k_slices_ptr + s * 5 + 1)
-        ks = tl.load(k_slices_ptr + s * 5 + 2)
-        ke = tl.load(k_slices_ptr + s * 5 + 3)
-        mtype = tl.load(k_slices_ptr + s * 5 + 4)
+        qs, qe, ks, ke, mtype = slice_row(k_slices_ptr, s)
         has_upper, d_max, has_lower, d_min = slice_diagonals(qs, qe, ks, ke, mtype)
         d_hi = tl.where(has_upper, d_max, DEV_NO_DIAGONAL)
         d_lo = tl.where(has_lower, d_min, -DEV_NO_DIAGONAL)

@@ -32,6 +32,7 @@ __all__ = [
     "DEV_CAUSAL",
     "DEV_INV_CAUSAL",
     "DEV_BI_CAUSAL",
+    "slice_row",
     "slice_diagonals",
     "tanh_exp2",
     "cast_rounded",
@@ -338,6 +339,17 @@ def dkdv_accumulate(dk, dv, v, q, do, delta, pT, th, cell, IS_MASKED: tl.constex
     dsT = cast_rounded(dsT, q.dtype, IS_BF16_EMULATED)
     dk += tl.dot(dsT, q, input_precision=DOT_PRECISION)
     return dk, dv, dsT
+
+
+@triton.jit
+def slice_row(slices_ptr, s):
+    """Slice ``s`` of a plan's slice table: ``(qs, qe, ks, ke, type)`` (the Triton kernels' scalar loads)."""
+    qs = tl.load(slices_ptr + s * 5)
+    qe = tl.load(slices_ptr + s * 5 + 1)
+    ks = tl.load(slices_ptr + s * 5 + 2)
+    ke = tl.load(slices_ptr + s * 5 + 3)
+    mtype = tl.load(slices_ptr + s * 5 + 4)
+    return qs, qe, ks, ke, mtype
 
 
 @triton.jit
