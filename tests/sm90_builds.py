@@ -115,6 +115,8 @@ def forward_builds():
          _docs(300, 3), 30.0, True, False),
         ("d128-bf16-documents-gluon-merged-tiles", 128, 128, torch.bfloat16, "sm90pppm_m128_n128_w4_s3",
          _docs(300, 9), 0.0, False, False),
+        ("d64-bf16-documents-softcap-gluon-merged-tiles", 64, 64, torch.bfloat16, "sm90pppm_m128_n128_w4_s3",
+         _docs(300, 9), 30.0, False, False),
         # The Triton kernel's merged tiles on the TMA path (on the GPU only an explicit config merges there).
         ("d64-fp16-documents-merged-tiles", 64, 64, torch.float16,
          dataclasses.replace(fwd._BY_NAME["tma_m128_n64_w4_s3"], merge=True), _docs(300, 9), 0.0, False, False),

@@ -395,13 +395,13 @@ _DEFAULTS = {
 }
 
 
-# On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim. At head
-# dim 64 the Triton kernel stays: the one-program-per-item Gluon kernel lost to it (fifth
-# session), and the persistent one won raw-launcher A/Bs by 2-5% but timed slower and
-# noisier through the public call (BENCHMARKS.md, eighth session).
+# On Hopper, where the Gluon kernel builds (2-byte dtypes), per padded head dim. Merged tiles:
+# a large gain with very short documents against a small loss elsewhere (docs/design.md,
+# "Merged tiles"). At head dim 64 the persistent kernel won raw-launcher A/Bs by 2-5% in the
+# eighth session and again in the thirteenth (BENCHMARKS.md); the eighth session's noisy
+# public-call run had kept the Triton kernel there until then.
 _SM90_DEFAULTS = {
-    # Merged tiles: a large gain with very short documents against a small loss elsewhere
-    # (docs/design.md, "Merged tiles").
+    64: "sm90pppm_m128_n128_w4_s3",
     128: "sm90pppm_m128_n128_w4_s3",
 }
 
