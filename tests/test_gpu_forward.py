@@ -410,21 +410,20 @@ _HOPPER = torch.cuda.get_device_capability()[0] == 9
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel is the default on compute capability 9 only")
 def test_hopper_kernel_is_the_default_and_builds():
-    """On Hopper, 2-byte dtypes at head dims up to 128 (over 64) take the Gluon kernel, and it builds: no
-    fallback warning."""
+    """On Hopper, 2-byte dtypes at head dims up to 128 take the Gluon kernel, and it builds: no fallback
+    warning."""
     import warnings
 
-    for D, Dv in ((128, 128), (96, 96), (64, 128)):
+    for D, Dv in ((128, 128), (96, 96), (64, 128), (64, 64), (48, 40)):
         for dtype in (torch.bfloat16, torch.float16):
             assert default_config(D, Dv, dtype).gluon, (D, Dv, dtype)
-    assert not default_config(64, 64, torch.bfloat16).gluon
     assert not default_config(128, 128, torch.float32).gluon
     assert not default_config(256, 256, torch.bfloat16).gluon
     T = 4099
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for D, dtype, kind, softcap in ((128, torch.bfloat16, "causal", 0.0), (96, torch.float16, "full", 20.0),
-                                        (128, torch.float16, "window", 0.0)):
+                                        (128, torch.float16, "window", 0.0), (64, torch.bfloat16, "causal", 30.0)):
             q, k, v = make_qkv(T, T, 4, 2, D, D, dtype, DEV, seed=D + 1)
             qr, kr, mt = _mask(kind, T, 3)
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap)
@@ -434,6 +433,7 @@ def test_hopper_kernel_is_the_default_and_builds():
     assert default_config(128, 128, torch.bfloat16).persistent
     # Short documents side by side walk merged tiles (docs/design.md, "Merged tiles").
     assert default_config(128, 128, torch.bfloat16).merge
+    assert default_config(64, 64, torch.bfloat16) == default_config(128, 128, torch.bfloat16)
 
 
 class _Unbuildable:
