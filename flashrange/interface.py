@@ -57,8 +57,8 @@ def plan_mask(q_ranges, k_ranges, mask_types, Tq: int, Tk: int, *, strict=None) 
 
 
 def _plan(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan:
-    """The plan through the eager CUDA path or the op (see :func:`flashrange.ops.eager_cuda`)."""
-    if ops.eager_cuda(q_ranges, k_ranges, mask_types):
+    """The plan through the eager CUDA path or the op (see :func:`flashrange.ops.plain_cuda`)."""
+    if ops.plain_cuda(q_ranges, k_ranges, mask_types):
         return ops.plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk)
     return RangePlan(*ops.plan(q_ranges, k_ranges, mask_types, Tq, Tk))
 

@@ -31,7 +31,7 @@ from . import reference
 from .constants import KERNEL_DTYPES
 from .plan import RangePlan, build_plan_torch, plan_blocks
 
-__all__ = ["plan", "fwd", "fwd_max_logits", "bwd", "eager_cuda", "plan_eager", "fwd_eager"]
+__all__ = ["plan", "fwd", "fwd_max_logits", "bwd", "plain_cuda", "eager_cuda", "plan_eager", "fwd_eager"]
 
 
 _TRITON_IMPORTABLE = None
@@ -60,8 +60,8 @@ def plan(
     return tuple(build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk))
 
 
-@plan.register_kernel("cuda")
-def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
+def _plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer):
+    """The plan of CUDA ranges (Triton launches, else the PyTorch plan), as a tuple of tensors."""
     try:
         from .kernels.plan import build_plan_triton
     except ImportError:
@@ -69,7 +69,13 @@ def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
     # Triton launches on the current device; the ranges may live on another one.
     other_device = q_ranges.device.index != torch.cuda.current_device()
     with torch.cuda.device(q_ranges.device) if other_device else contextlib.nullcontext():
-        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
+        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer=one_buffer))
+
+
+@plan.register_kernel("cuda")
+def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
+    # A custom op's outputs may not alias each other: one allocation per tensor.
+    return _plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer=False)
 
 
 @plan.register_fake
@@ -243,19 +249,26 @@ fwd_max_logits.register_autograd(_backward, setup_context=_setup_context)
 # (torch.compile, export, fake or functional tensors) keep the ops.
 
 
-def eager_cuda(*tensors) -> bool:
-    """Whether these tensors can take the eager path: plain CUDA tensors, not under tracing."""
+def plain_cuda(*tensors) -> bool:
+    """Whether these are plain CUDA tensors, not under tracing: the eager path's condition for planning."""
     if torch.compiler.is_compiling():
         return False
     for t in tensors:
         if type(t) is not torch.Tensor:
             return False
-    return tensors[0].is_cuda and _triton_serves(tensors[0].dtype)
+    return tensors[0].is_cuda
+
+
+def eager_cuda(*tensors) -> bool:
+    """Whether these tensors can take the eager attention path: :func:`plain_cuda`, and the first one's
+    dtype served by the Triton kernels."""
+    return plain_cuda(*tensors) and _triton_serves(tensors[0].dtype)
 
 
 def plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan:
-    """``flashrange::plan``'s CUDA implementation, called directly (see :func:`eager_cuda`)."""
-    return RangePlan(*_plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk))
+    """``flashrange::plan``'s CUDA implementation, called directly (see :func:`plain_cuda`); the plan's
+    tensors are views of one allocation."""
+    return RangePlan(*_plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer=True))
 
 
 class _EagerAttention(torch.autograd.Function):
