@@ -60,8 +60,8 @@ def plan(
     return tuple(build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk))
 
 
-def _plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer):
-    """The plan of CUDA ranges (Triton launches, else the PyTorch plan), as a tuple of tensors."""
+@plan.register_kernel("cuda")
+def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
     try:
         from .kernels.plan import build_plan_triton
     except ImportError:
@@ -69,13 +69,7 @@ def _plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer):
     # Triton launches on the current device; the ranges may live on another one.
     other_device = q_ranges.device.index != torch.cuda.current_device()
     with torch.cuda.device(q_ranges.device) if other_device else contextlib.nullcontext():
-        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer=one_buffer))
-
-
-@plan.register_kernel("cuda")
-def _plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk):
-    # A custom op's outputs may not alias each other: one allocation per tensor.
-    return _plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer=False)
+        return tuple(build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk))
 
 
 @plan.register_fake
@@ -266,9 +260,8 @@ def eager_cuda(*tensors) -> bool:
 
 
 def plan_eager(q_ranges, k_ranges, mask_types, Tq, Tk) -> RangePlan:
-    """``flashrange::plan``'s CUDA implementation, called directly (see :func:`plain_cuda`); the plan's
-    tensors are views of one allocation."""
-    return RangePlan(*_plan_cuda_tensors(q_ranges, k_ranges, mask_types, Tq, Tk, one_buffer=True))
+    """``flashrange::plan``'s CUDA implementation, called directly (see :func:`plain_cuda`)."""
+    return RangePlan(*_plan_cuda(q_ranges, k_ranges, mask_types, Tq, Tk))
 
 
 class _EagerAttention(torch.autograd.Function):

@@ -192,8 +192,7 @@ def test_activation_checkpointing_reruns_the_forward_in_the_backward():
 
 
 def test_eager_planning_skips_the_op(monkeypatch):
-    """plan_mask and a call that plans inside take the eager path (no dispatcher) and give the op's plan, its
-    tensors carved from one allocation."""
+    """plan_mask and a call that plans inside take the eager path (no dispatcher) and give the op's plan."""
     q, k, v, qr, kr, mt = _inputs(1031, 1101, 8, 2, 64, torch.bfloat16, 5)
     plan_op = torch.ops.flashrange.plan(qr, kr, mt, q.shape[0], k.shape[0])
     ref = flashrange.range_attention(q, k, v, qr, kr, mt, plan=flashrange.RangePlan(*plan_op))
@@ -205,6 +204,5 @@ def test_eager_planning_skips_the_op(monkeypatch):
     plan = flashrange.plan_mask(qr, kr, mt, q.shape[0], k.shape[0])
     for a, b in zip(plan, plan_op):
         assert torch.equal(a, b)
-    assert len({t.untyped_storage().data_ptr() for t in plan}) == 1
     out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])

@@ -285,21 +285,3 @@ def test_launch_count_grows_with_merge_levels_only(monkeypatch):
     triton_plan.build_plan_triton(qr, kr, mt, 8200, 8200)
     assert names == ["_count_kernel", "_partition_kernel", "_merge_kernel", "_merge_kernel", "_scan_blocks_kernel",
                      "_order_blocks_kernel"]
-
-
-@pytest.mark.parametrize("S, T", [(0, 37), (1, 1), (7, 301), (200, 1033)], ids=["no-slices", "one-token", "few", "sorting"])
-def test_one_buffer_plan_equals_separate_tensors(S, T):
-    """The eager path's plan (views carved from one allocation) has the same values as the op's (one
-    allocation per tensor), each view contiguous and 16-byte aligned, none overlapping another."""
-    rng = random.Random(S + T)
-    qr, kr, mt = _random_slices(rng, T, T, S, garbage=S == 7)
-    sep = triton_plan.build_plan_triton(qr, kr, mt, T, T)
-    one = triton_plan.build_plan_triton(qr, kr, mt, T, T, one_buffer=True)
-    spans = []
-    for name, x, y in zip(RangePlan._fields, sep, one):
-        assert torch.equal(x, y), name
-        assert y.is_contiguous() and y.data_ptr() % 16 == 0, name
-        spans.append((y.data_ptr(), y.data_ptr() + y.numel() * y.element_size()))
-    assert len({t.untyped_storage().data_ptr() for t in one}) == 1
-    spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))

@@ -672,32 +672,8 @@ def _merge_levels(S):
         stride *= _BLOCK_F
 
 
-# Elements between the starts of two tensors carved from one buffer: 64 bytes of int32, so that each
-# keeps the 16-byte alignment that Triton specializes its pointer arguments on.
-_CARVE_ALIGN = 16
-
-
-def _plan_tensors(S, nq, nk, ws_words, device, one_buffer):
-    """The plan's eight int32 tensors and the workspace: one allocation each, or with ``one_buffer`` views
-    carved from a single allocation (the eager path: allocations are a large share of a plan's host time;
-    a custom op's outputs may not alias each other, so the op takes separate ones)."""
-    sizes = (5 * S, nq, nq, nq, 5 * S, nk, nk, nk, ws_words)
-    if one_buffer:
-        pieces = []
-        for n in sizes:
-            pieces += [n, -n % _CARVE_ALIGN]
-        parts = torch.empty(sum(pieces), dtype=torch.int32, device=device).split(pieces)[::2]
-    else:
-        parts = [torch.empty(n, dtype=torch.int32, device=device) for n in sizes]
-    q_slices, q_lo, q_hi, q_order, k_slices, k_lo, k_hi, k_order, ws = parts
-    plan = RangePlan(q_slices.view(S, 5), q_lo, q_hi, q_order, k_slices.view(S, 5), k_lo, k_hi, k_order)
-    return plan, ws
-
-
-def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, one_buffer=False):
-    """:class:`~flashrange.plan.RangePlan` from the Triton launches; equal to the plain-PyTorch plan.
-
-    ``one_buffer``: the plan's tensors are views of one allocation (eager calls; see ``_plan_tensors``)."""
+def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK):
+    """:class:`~flashrange.plan.RangePlan` from the Triton launches; equal to the plain-PyTorch plan."""
     dev = q_ranges.device
     # The checked (S, 2) / (S,) inputs are usually contiguous already: one call instead of two each.
     qr = q_ranges if q_ranges.is_contiguous() else q_ranges.reshape(-1, 2).contiguous()
@@ -705,14 +681,18 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, 
     mt = mask_types if mask_types.is_contiguous() else mask_types.reshape(-1).contiguous()
     S = mt.numel()
     nq, nk = -(-Tq // block), -(-Tk // block)
-    is_small = S <= SMALL_PLAN_SLICES
-    plan, ws = _plan_tensors(S, nq, nk, _workspace_words(S, nq, nk, not is_small), dev, one_buffer)
-    q_slices, q_lo, q_hi, q_order, k_slices, k_lo, k_hi, k_order = plan
+    i32 = torch.int32
+    q_slices = torch.empty(S, 5, dtype=i32, device=dev)
+    k_slices = torch.empty(S, 5, dtype=i32, device=dev)
+    q_lo, q_hi, q_order = (torch.empty(nq, dtype=i32, device=dev) for _ in range(3))
+    k_lo, k_hi, k_order = (torch.empty(nk, dtype=i32, device=dev) for _ in range(3))
+    plan = RangePlan(q_slices, q_lo, q_hi, q_order, k_slices, k_lo, k_hi, k_order)
     n_max = max(nq, nk)
-    if is_small:
+    if S <= SMALL_PLAN_SLICES:
         # One program per half ranks the slots by counting; it also walks the blocks
         # when they are few, else the block launches follow.
         has_blocks = n_max <= SMALL_PLAN_BLOCKS
+        ws = torch.empty(_workspace_words(S, nq, nk, False), dtype=i32, device=dev)
         # Tiles no wider than the problem: one program walks them all in turn.
         s_tile = max(16, min(32, triton.next_power_of_2(S)))
         t_tile = max(16, min(64, triton.next_power_of_2(S)))
@@ -725,6 +705,7 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, 
             _launch_blocks(plan, ws, nq, nk)
         return plan
     nc = triton.cdiv(S, _BLOCK_C)
+    ws = torch.empty(_workspace_words(S, nq, nk, True), dtype=i32, device=dev)
     BLOCK_I = 1024
     launch(_count_kernel, (max(nc, triton.cdiv(8 * (nq + nk + 2), BLOCK_I)),),
            (qr, kr, mt, ws, S, Tq, Tk, nc, nq, nk, _BLOCK_C, BLOCK_I))
