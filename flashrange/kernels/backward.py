@@ -396,8 +396,9 @@ class BwdConfig:
     # items (docs/design.md, "The Hopper backward"); the Triton kernels keep their grid.
     persistent: bool = False
     # One key-major Triton launch that also accumulates dQ, in turns (kernels/backward_fused.py): five
-    # matmuls per tile instead of seven, the same bits on every run. Opt-in, not timed yet; takes the
-    # dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of the dQ fields.
+    # matmuls per tile instead of seven, the same bits on every run. Opt-in (slower than the default on the
+    # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
+    # the dQ fields.
     fused_dq: bool = False
 
     def __post_init__(self):

@@ -26,7 +26,8 @@ turns in a fixed order:
 A wait longer than ``max_spins`` polls (an inconsistent turn, a bug) sets an
 error flag and goes on, so a mistake cannot hang the GPU or the interpreter;
 tests read the flag. Not a default: opt-in through ``BwdConfig(fused_dq=True)``
-on the Triton kernels, not yet timed.
+on the Triton kernels, and slower than the default backward on Hopper (its
+tile holds dK, dV and a dQ tile in registers; BENCHMARKS.md).
 """
 
 from __future__ import annotations
