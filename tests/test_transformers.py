@@ -47,6 +47,7 @@ from transformers import (  # noqa: E402
 from transformers import masking_utils as hf_masks  # noqa: E402
 
 import flashrange.integrations.transformers as frt  # noqa: E402
+import flashrange.ops as fr_ops  # noqa: E402
 from golden import dense_counts  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -446,11 +447,30 @@ MASK_TYPES = {"llama": 1, "mistral": 1, "qwen2": 2, "gemma2": 2, "bert": 1}
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts every op that reaches the dispatcher (flashrange's custom ops included) while active."""
+    """Counts every op that reaches the dispatcher (flashrange's custom ops included) while active.
+
+    Eager planning on CUDA calls ``ops.plan_eager`` instead of the ``flashrange::plan`` op, so plans
+    counts both: that function is wrapped while the mode is active.
+    """
 
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
+        self._plan_eager = None
+
+    def __enter__(self):
+        self._plan_eager = fr_ops.plan_eager
+
+        def counted(*args):
+            self.counts["plan_eager"] += 1
+            return self._plan_eager(*args)
+
+        fr_ops.plan_eager = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        fr_ops.plan_eager = self._plan_eager
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func.overloadpacket)] += 1
@@ -458,7 +478,7 @@ class _OpCounter(TorchDispatchMode):
 
     @property
     def plans(self):
-        return self.counts["flashrange.plan"]
+        return self.counts["flashrange.plan"] + self.counts["plan_eager"]
 
 
 def _flashrange_model(kind, layers):
