@@ -5,8 +5,7 @@
 
 A variant is ``PACKAGE:CONFIG``. ``PACKAGE`` is ``main`` (the checked-out flashrange) or a name exported by
 ``scripts/ab_export.sh REF NAME`` (carry ``ab``). ``CONFIG`` is ``default``, a forward config's name, or a
-backward config as ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags from ``dkdv+dq+persistent``, ``fused``
-or ``atomic`` (with ``dkdv``).
+backward config as ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags from ``dkdv+dq+persistent`` or ``fused``.
 
 First, correctness: with ``--fuzz N``, each variant on N random small masks (every type, overlaps, empty
 slices, GQA, softcap) against the float64 reference, failing when its error passes twice the first variant's
@@ -50,11 +49,11 @@ def package(name):
 
 def backward_config(spec, config_cls):
     """``config_cls`` (a ``BwdConfig``) from ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags any of
-    ``dkdv``, ``dq``, ``persistent``, ``fused``, ``atomic`` joined by ``+``."""
+    ``dkdv``, ``dq``, ``persistent``, ``fused`` joined by ``+``."""
     parts = spec.split(",")
     flags = set(parts[8].split("+")) if len(parts) > 8 else set()
     return config_cls(*[int(x) for x in parts[:8]], gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags,
-                      persistent="persistent" in flags, fused_dq="fused" in flags, atomic_dq="atomic" in flags)
+                      persistent="persistent" in flags, fused_dq="fused" in flags)
 
 
 class Variant:

@@ -176,10 +176,6 @@ def backward_builds():
                bwd.BwdConfig(32, 64, 8, 2, 64, 64, 4, 2, fused_dq=True)),
               ("d64-bf16-softcap-fused", 64, 64, torch.bfloat16, 20.0, False, False,
                bwd.BwdConfig(64, 128, 8, 2, 64, 64, 4, 2, fused_dq=True))]
-    # The opt-in backward that adds dQ with atomics inside the Gluon dK/dV kernel (five matmuls, non-deterministic).
-    atomic = bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, persistent=True, atomic_dq=True)
-    cases += [("d128-bf16-atomic-dq-gluon", 128, 128, torch.bfloat16, 0.0, False, False, atomic),
-              ("d96-fp16-softcap-dlse-atomic-dq-gluon", 96, 96, torch.float16, 30.0, True, False, atomic)]
     for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)

@@ -630,38 +630,3 @@ def test_fused_dq_backward_on_the_gpu(D, Dv, tiles):
                                dot_precision="tf32", bf16_emulated=False, block_d=pad_dim(D), block_dv=pad_dim(Dv),
                                max_spins=MAX_SPINS_GPU)
     assert int(error) == 0
-
-
-# ---------------------------------------------------------------------------------------------
-# dQ added with atomics inside the Gluon dK/dV kernel (BwdConfig.atomic_dq, opt-in, non-deterministic)
-
-ATOMIC_GPU = [
-    pytest.param(128, 128, 0.0, torch.bfloat16, id="d128-bf16"),
-    pytest.param(96, 112, 30.0, torch.float16, id="d96-dv112-softcap-fp16"),
-]
-
-
-@pytest.mark.parametrize("D, Dv, softcap, dtype", ATOMIC_GPU)
-def test_atomic_dq_backward(D, Dv, softcap, dtype):
-    """Five matmuls in one Gluon kernel, dQ summed with float32 atomics: dQ within the three-way budget; dK
-    and dV, whose sums it does not touch, bitwise those of the default (deterministic) backward; the
-    reruns' dQ equal to within float32 rounding of the order of the adds."""
-    from flashrange.kernels.backward import BwdConfig, default_config
-
-    default = default_config(D, Dv, dtype, torch.device(DEV), softcap=softcap != 0)
-    if not default.gluon_dkdv:
-        pytest.skip("needs the Hopper (Gluon) backward kernels")
-    config = BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, persistent=True, atomic_dq=True)
-    T = 3001
-    rows = (_docs(T, 19, 8) + [(100, 2000, 50, 1900, FULL), (2000, 3001, 2000, 2900, INV_CAUSAL),
-                               (0, T, 0, T, CAUSAL), (700, 1300, 0, 0, FULL)]
-            + short_slice_rows(T, T, 60, random.Random(3)))
-    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
-        T, T, 8, 2, D, Dv, rows, dtype, softcap=softcap, seed=13, config=config)
-    want = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse)
-    assert torch.equal(dk, want[1]) and torch.equal(dv, want[2])
-    for _ in range(3):
-        again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse,
-                                                config=config)
-        assert torch.equal(again[1], dk) and torch.equal(again[2], dv)
-        torch.testing.assert_close(again[0].float(), dq.float(), rtol=2e-2, atol=2e-2)

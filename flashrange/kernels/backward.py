@@ -70,7 +70,7 @@ from .common import (
     tma_aligned,
     warn_gluon_fallback,
 )
-from .backward_fused import MAX_SPINS_GPU, fused_backward, row_workspace
+from .backward_fused import MAX_SPINS_GPU, fused_backward
 from .plan import build_plan
 
 __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
@@ -400,15 +400,10 @@ class BwdConfig:
     # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
     # the dQ fields.
     fused_dq: bool = False
-    # The Gluon dK/dV kernel also computes dS K and adds it to a float32 dQ with atomics: five matmuls per tile
-    # and no dQ kernel, but the adds' order, so dQ's last bits, vary from run to run (non-deterministic, opt-in;
-    # docs/design.md). Needs gluon_dkdv, 64-row tiles and a padded head dim D of 128; other calls, and tensors
-    # the Gluon kernels cannot take, run the deterministic kernels.
-    atomic_dq: bool = False
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "fused_dq", "atomic_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "fused_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -425,9 +420,6 @@ class BwdConfig:
             raise ValueError(f"BwdConfig.gluon_dq needs q_block_m=128, got {self.q_block_m}")
         if self.fused_dq and (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.fused_dq runs a Triton kernel: set gluon_dkdv and gluon_dq to False")
-        if self.atomic_dq and not (self.gluon_dkdv and self.kv_block_m == 64 and not self.gluon_dq):
-            raise ValueError("BwdConfig.atomic_dq adds dQ inside the Gluon dK/dV kernel: it needs gluon_dkdv=True, "
-                             f"kv_block_m=64 and gluon_dq=False, got {self}")
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
@@ -564,11 +556,6 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                 dot_precision=dot_prec, bf16_emulated=emu_bf16, block_d=pad_dim(D), block_dv=pad_dim(Dv),
                 max_spins=1 if interpreting() else MAX_SPINS_GPU)
             return dq, dk, dv
-        atomic_dq = cfg.atomic_dq and gluon and pad_dim(D) == 128 and pad_dim(Dv) == 128
-        if cfg.atomic_dq and not atomic_dq:
-            # Not served by the Gluon kernel with atomic dQ: the deterministic kernels, their default tiles.
-            return _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_scale, softcap, dlse,
-                             plan, None)
         # Row offsets inside the tile loops stay int32 unless some operand they walk (q, dO: dK/dV; k, v: dQ)
         # has an element offset, strides included (a view into a fused qkv buffer), that reaches 2**31. The
         # per-program loads and stores (O, lse, dlse, dQ, dK, dV, the workspace) use 64-bit offsets always.
@@ -576,14 +563,8 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        if atomic_dq:
-            # The rows' workspace from its own launch; dQ summed in float32 by the dK/dV kernel.
-            ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv))
-            dqa = torch.zeros(Tq, Hq, pad_dim(D), dtype=torch.float32, device=dev)
-        else:
-            # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
-            ws = _workspace(Hq, Tq, dev)
-            dqa = dk  # never read
+        # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
+        ws = _workspace(Hq, Tq, dev)
         has_dlse = dlse is not None
         if not has_dlse:
             dlse = lse  # never read
@@ -612,13 +593,10 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         )
         dkdv_grid = (plan.k_block_order.shape[0] * kv_split * Hkv,)
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
-        dkdv_gluon_args = (dqa, dqa.stride(0), dqa.stride(1), atomic_dq)
-        launches = (
-            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, ()),
-            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps,
-             dkdv_gluon_args),
-        )
-        for use_gluon, name, grid, args, stages, warps, gluon_args in launches[1:] if atomic_dq else launches:
+        for use_gluon, name, grid, args, stages, warps in (
+            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps),
+            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps),
+        ):
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
             if use_gluon:
                 try:
@@ -627,9 +605,8 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
                     # STAGES, NUM_WARPS, HAS_PACKED_HEADS
-                    launch(_gluon_kernel(name), gluon_grid,
-                           args + (stages, 4, packed_heads(q, k, v, dout)) + gluon_args, num_warps=4,
-                           maxnreg=WS_MAXNREG)
+                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4, packed_heads(q, k, v, dout)),
+                           num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
                     if config is not None:
@@ -637,8 +614,6 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     _disable_gluon(e)
                     raise _GluonBuildError from e
             launch(triton_kernel, grid, args, num_warps=warps, num_stages=stages)
-        if atomic_dq:
-            dq.copy_(dqa[..., :D] * scale)
     return dq, dk, dv
 
 

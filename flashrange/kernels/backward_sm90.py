@@ -169,10 +169,10 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
     site alternates), ``wi`` items so far; ``last_a`` / ``last_b`` is the last tile through each pair of
     descriptors. Returns them advanced. ``packed``: the program's k, v, q, dO descriptors over
     ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs, dqa_ptr = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem, ds_sync = smem
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap, stride_dqat, stride_dqah) = scalars
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     pid_hk, c0, c1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -216,7 +216,7 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
 @gluon.jit
 def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, HAS_DQ: gl.constexpr):
+              HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -254,7 +254,7 @@ def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k: gl.constexpr, mma_v: g
     """A consumer's keys ``[n0, n0 + HALF)`` of dK (scaled here) and dV."""
     dk_ptr, dv_ptr = ptrs[5], ptrs[6]
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap, stride_dqat, stride_dqah) = scalars
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     dtype: gl.constexpr = dk_ptr.dtype.element_ty
     dk = dk * scale
     key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
@@ -273,66 +273,9 @@ def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k: gl.constexpr, mma_v: g
 
 
 @gluon.jit
-def _ds_buf(ps_smem, cur, J: gl.constexpr, HAS_DQ: gl.constexpr):
-    """Warpgroup ``J``'s dS of ring tile ``cur`` in shared memory. With ``HAS_DQ`` both warpgroups' dQ matmuls
-    read it after the tile, so it alternates between two buffers by the tile's parity."""
-    if HAS_DQ:
-        return ps_smem.index(2 + 2 * (cur % 2) + J)
-    else:
-        return ps_smem.index(2 * J + 1)
-
-
-@gluon.jit
-def _stage_ps(p, ds, ps_smem, ds_sync, cur, J: gl.constexpr, HAS_DQ: gl.constexpr):
-    """Store tile ``cur``'s P and dS for the dV and dK matmuls. With ``HAS_DQ`` also for both warpgroups' dQ
-    matmuls: once both have read the dS of tile ``cur - 2`` (the same buffer), and telling them when this
-    one's is there. (``ds_sync``: per tile parity, "dS stored" barriers, then "dS read" ones.)"""
-    if HAS_DQ:
-        if cur >= 2:
-            mbarrier.wait(ds_sync.index(2 + cur % 2), ((cur - 2) // 2) & 1)
-        p_buf = ps_smem.index(J)
-    else:
-        p_buf = ps_smem.index(2 * J)
-    ds_buf = _ds_buf(ps_smem, cur, J, HAS_DQ)
-    p_buf.store(p.to(p_buf.dtype))
-    ds_buf.store(ds.to(ds_buf.dtype))
-    # Every thread's stores reach the matmuls' (async) reads: a proxy fence, then the warpgroup's barrier.
-    fence_async_shared()
-    cta_barrier()
-    if HAS_DQ:
-        mbarrier.arrive(ds_sync.index(cur % 2), count=1)
-
-
-@gluon.jit
-def _dq_matmul(ps_smem, k_smem, ds_sync, cur, mma_q: gl.constexpr, BLOCK_M: gl.constexpr, J: gl.constexpr):
-    """Issue tile ``cur``'s ``dS K`` for this warpgroup's half of dQ's columns (``HAS_DQ``): both warpgroups'
-    ``dS`` (their keys) from shared memory, once both are there, against both halves of K."""
-    CD: gl.constexpr = mma_q.instr_shape[1]
-    mbarrier.wait(ds_sync.index(cur % 2), (cur // 2) & 1)
-    dq = warpgroup_mma(_ds_buf(ps_smem, cur, 0, True), k_smem.index(0).slice(J * CD, CD, dim=1),
-                       gl.zeros([BLOCK_M, CD], gl.float32, layout=mma_q), use_acc=False, is_async=True)
-    return warpgroup_mma(_ds_buf(ps_smem, cur, 1, True), k_smem.index(1).slice(J * CD, CD, dim=1), dq,
-                         is_async=True)
-
-
-@gluon.jit
-def _add_dq(dq, dqa_ptr, r, m_hi, h, stride_dqat, stride_dqah, mma_q: gl.constexpr, J: gl.constexpr):
-    """Add a tile's dQ columns (rows from ``r``, of head ``h``) to the float32 accumulator: the rows below
-    ``m_hi`` (the others' dS is zero)."""
-    CD: gl.constexpr = mma_q.instr_shape[1]
-    BLOCK_M: gl.constexpr = dq.shape[0]
-    rows = r + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_q))
-    cols = J * CD + gl.arange(0, CD, layout=gl.SliceLayout(0, mma_q))
-    ptrs = (dqa_ptr + h * stride_dqah + gl.expand_dims(rows.to(gl.int64) * stride_dqat, 1)
-            + gl.expand_dims(cols, 0))
-    mask = gl.expand_dims(rows < m_hi, 1) & gl.expand_dims(cols >= 0, 0)
-    gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
-
-
-@gluon.jit
 def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, HAS_DQ: gl.constexpr, J: gl.constexpr):
+                       STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, J: gl.constexpr):
     """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
     returns ``it`` advanced. The K and V halves are released after their last matmul.
 
@@ -342,10 +285,10 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
     thread keeps two rows' lse and delta, and with ``BLOCK_M`` as wide as the warpgroup's keys every score
     matmul is ``HALF`` wide), and ``P`` and ``dS`` go through shared memory, read transposed by the dV and
     dK matmuls. The sums over each tile's rows run inside one matmul either way: the same bits."""
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs, dqa_ptr = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem, ds_sync = smem
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap, stride_dqat, stride_dqah) = scalars
+     stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     pid_hk, c0, c1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_N // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -359,11 +302,6 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
                                                     instr_shape=[16, BLOCK_D, 16])
     mma_v: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_DV, 16])
-    if HAS_DQ:
-        # Each warpgroup computes half of dQ's columns from both warpgroups' dS (FA3's split): half the adds.
-        gl.static_assert(IS_BY_ROWS and BLOCK_D == 128, "dQ in the dK/dV kernel needs scores by rows, D = 128")
-        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_D // 2, 16])
     if IS_BY_ROWS:
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         key_s: gl.constexpr = gl.SliceLayout(0, mma_s)
@@ -384,8 +322,9 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
     k_half = k_smem.index(J)
     v_half = v_smem.index(J)
     if IS_BY_ROWS:
-        # This warpgroup's P and dS of the last tile ([BLOCK_M, HALF] each; _stage_ps).
-        p_buf = ps_smem.index(J) if HAS_DQ else ps_smem.index(2 * J)
+        # This warpgroup's P and dS of the last tile ([BLOCK_M, HALF] each).
+        p_buf = ps_smem.index(2 * J)
+        ds_buf = ps_smem.index(2 * J + 1)
     lse2_ptr = ws_ptr + Hq.to(gl.int64) * Tq
     # Released after the item's last score matmuls, so that a persistent program's next K and V
     # load under this item's last dV / dK matmuls and its epilogue (at the end if it has no tile).
@@ -396,11 +335,6 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
     # those matmuls are done), its q and dO still in ring slot ``p_slot``.
     pending = 0
     p_slot = 0
-    # The pending tile's ring-tile number, first row, rows' end and head (for its dQ).
-    p_cur = it
-    p_r = c0
-    p_mhi = c0
-    p_h = pid_hk.to(gl.int64)
     if not IS_BY_ROWS:
         pt_op = gl.zeros([HALF, BLOCK_M], dtype, layout=pt_layout)
         dst_op = gl.zeros([HALF, BLOCK_M], dtype, layout=dst_layout)
@@ -432,27 +366,16 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
                                    is_async=True)
                 if pending == 1:
                     dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
-                    dk = warpgroup_mma(_ds_buf(ps_smem, p_cur, J, HAS_DQ).permute((1, 0)), q_smem.index(p_slot), dk,
-                                       is_async=True)
+                    dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
                     sv, dpv = warpgroup_mma_wait(2, deps=(qk, dp))
                     p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
                                               d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                     mbarrier.arrive(empty.index(p_slot), count=1)
-                    if HAS_DQ:
-                        # The pending tile's dQ once this tile's P and dS left the registers (its matmul runs
-                        # beside the other warpgroup's work), then its adds.
-                        _stage_ps(p, ds, ps_smem, ds_sync, cur, J, HAS_DQ)
-                        dq = _dq_matmul(ps_smem, k_smem, ds_sync, p_cur, mma_q, BLOCK_M, J)
-                        dq = warpgroup_mma_wait(0, deps=(dq,))
-                        mbarrier.arrive(ds_sync.index(2 + p_cur % 2), count=1)
-                        _add_dq(dq, dqa_ptr, p_r, p_mhi, p_h, stride_dqat, stride_dqah, mma_q, J)
                 else:
                     sv, dpv = warpgroup_mma_wait(0, deps=(qk, dp))
                     p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
                                               d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
-                    if HAS_DQ:
-                        _stage_ps(p, ds, ps_smem, ds_sync, cur, J, HAS_DQ)
             else:
                 qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
                 dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
@@ -468,48 +391,34 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
                     sT, dT = warpgroup_mma_wait(0, deps=(qkT, dpT))
                     pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
                                            qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
-            if not HAS_DQ:
-                # (With HAS_DQ the last tile's dQ matmul reads K: released at the end.)
-                if is_last_pair & (t == n_tiles - 1):
-                    mbarrier.arrive(kv_free.index(J), count=1)
-                    kv_held = 0
+            if is_last_pair & (t == n_tiles - 1):
+                mbarrier.arrive(kv_free.index(J), count=1)
+                kv_held = 0
             if IS_BY_ROWS:
-                if not HAS_DQ:
-                    _stage_ps(p, ds, ps_smem, ds_sync, cur, J, HAS_DQ)
+                p_buf.store(p.to(dtype))
+                ds_buf.store(ds.to(dtype))
+                # Every thread's stores reach the matmuls' (async) reads: a proxy fence, then the
+                # warpgroup's barrier.
+                fence_async_shared()
+                cta_barrier()
             else:
                 pt_op = gl.convert_layout(pT.to(dtype), pt_layout)
                 dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
             pending = 1
             p_slot = slot
-            p_cur = cur
-            p_r = r
-            p_mhi = m_hi
-            p_h = h
         it += n_tiles
-    if not HAS_DQ:
-        if kv_held == 1:
-            mbarrier.arrive(kv_free.index(J), count=1)
+    if kv_held == 1:
+        mbarrier.arrive(kv_free.index(J), count=1)
     if pending == 1:
         if IS_BY_ROWS:
             dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
-            dk = warpgroup_mma(_ds_buf(ps_smem, p_cur, J, HAS_DQ).permute((1, 0)), q_smem.index(p_slot), dk,
-                               is_async=True)
-            if HAS_DQ:
-                dq = _dq_matmul(ps_smem, k_smem, ds_sync, p_cur, mma_q, BLOCK_M, J)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                mbarrier.arrive(ds_sync.index(2 + p_cur % 2), count=1)
-                _add_dq(dq, dqa_ptr, p_r, p_mhi, p_h, stride_dqat, stride_dqah, mma_q, J)
-            else:
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         else:
             dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
             dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
         mbarrier.arrive(empty.index(p_slot), count=1)
-    if HAS_DQ:
-        # Both halves of K were read by this warpgroup's dQ matmuls.
-        mbarrier.arrive(kv_free.index(0), count=1)
-        mbarrier.arrive(kv_free.index(1), count=1)
     _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k, mma_v, HALF, BLOCK_D, BLOCK_DV)
     return it
 
@@ -517,7 +426,7 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
 @gluon.jit
 def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              IS_BY_ROWS: gl.constexpr, HAS_DQ: gl.constexpr, J: gl.constexpr):
+              IS_BY_ROWS: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
@@ -531,21 +440,17 @@ def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
         if w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             mbarrier.wait(kv_ready.index(J), wi & 1)
-            if HAS_DQ:
-                # The dQ matmuls read the other half of K too.
-                mbarrier.wait(kv_ready.index(1 - J), wi & 1)
             it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                                    STAGES, IS_BY_ROWS, HAS_DQ, J)
+                                    STAGES, IS_BY_ROWS, J)
             wi += 1
 
 
 @gluon.jit
 def _consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, HAS_DQ: gl.constexpr):
+                HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
-    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, IS_BY_ROWS,
-              HAS_DQ, 1)
+    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, IS_BY_ROWS, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -560,12 +465,10 @@ def bwd_dkdv_sm90_kernel(
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    dqa_ptr, stride_dqat, stride_dqah, HAS_DQ: gl.constexpr,
 ):
     """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` and ``HAS_PACKED_HEADS`` (each row
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
-    program, sm90_common), and with ``HAS_DQ`` a float32 ``(Tq, Hq, BLOCK_D)`` accumulator ``dqa_ptr`` to which
-    each tile adds ``dS K`` (atomics: the sum's order varies from run to run); launched with 4 warps (the first consumer) plus a 4-warp and a 1-warp worker,
+    program, sm90_common); launched with 4 warps (the first consumer) plus a 4-warp and a 1-warp worker,
     under a register cap the partitions split. On the Triton kernel's grid each program owns one work item;
     on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -581,8 +484,7 @@ def bwd_dkdv_sm90_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_DV], dv_layout)
     if IS_BY_ROWS:
         ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(HALF * 2, 128), element_bitwidth=16)
-        # P and dS per warpgroup; with HAS_DQ, dS in two buffers by tile parity (_ds_buf).
-        ps_smem = gl.allocate_shared_memory(dtype, [6 if HAS_DQ else 4, BLOCK_M, HALF], ps_layout)
+        ps_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], ps_layout)
     else:
         ps_smem = 0
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], d_layout)
@@ -593,34 +495,24 @@ def bwd_dkdv_sm90_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-        # With HAS_DQ both warpgroups read both halves of K.
-        mbarrier.init(kv_free.index(i), count=2 if HAS_DQ else 1)
+        mbarrier.init(kv_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    if HAS_DQ:
-        # Per tile parity: both warpgroups' dS of a tile are in shared memory (0, 1), and were read by both
-        # dQ matmuls (2, 3).
-        ds_sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
-            mbarrier.init(ds_sync.index(i), count=2)
-    else:
-        ds_sync = 0
 
     # Runtime values only in the tuple variables (a constexpr stored in one reaches the partitions as a tensor).
     ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr,
-                                                                             block_order_ptr), dqa_ptr)
-    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem, ds_sync)
+                                                                             block_order_ptr))
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem)
     scalars = (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-               stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap, stride_dqat,
-               stride_dqah)
+               stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
     gl.warp_specialize([
         (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     IS_BY_ROWS, HAS_DQ, 0)),
+                     IS_BY_ROWS, 0)),
         (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS, IS_BY_ROWS, HAS_DQ)),
+                       HAS_PACKED_HEADS, IS_BY_ROWS)),
         (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS, IS_BY_ROWS, HAS_DQ)),
+                     HAS_PACKED_HEADS, IS_BY_ROWS)),
     ], [4, 1], [240, 24])
 
 
