@@ -53,9 +53,9 @@ from .common import (
     full_row_run,
     gluon_sm90_ready,
     interpreting,
+    key_block,
     key_span,
     launch,
-    load_head_rows,
     needs_int64,
     pad_dim,
     packed_heads,
@@ -161,19 +161,9 @@ def _bwd_dkdv_kernel(
     # A program owns tile pid // Hkv % SPLIT of its plan block and reads the block's window.
     pid_hk, c0, c1, s_lo, s_hi = plan_program(tl.program_id(0), Hkv, Tk, block_order_ptr, block_lo_ptr,
                                               block_hi_ptr, SPLIT, BLOCK_N)
-    offs_n = c0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_n = offs_n < Tk
-    cols = offs_n.to(tl.int64)
-    hk = pid_hk.to(tl.int64)
-    k = load_head_rows(k_ptr, hk, cols, mask_n, offs_d, D, stride_kt, stride_kh)
-    v = load_head_rows(v_ptr, hk, cols, mask_n, offs_dv, DV, stride_vt, stride_vh)
-    if IS_BF16_EMULATED:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    offs_n, offs_d, offs_dv, mask_n, cols, hk, k, v, dk, dv = key_block(
+        k_ptr, v_ptr, pid_hk, c0, Tk, D, DV, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, BLOCK_D, BLOCK_DV,
+        IS_BF16_EMULATED)
     qk_scale2 = scale * DEV_LOG2E
 
     # The workspace: delta, then lse * log2(e), (Hq, Tq) each (written by the dQ kernel).

@@ -44,6 +44,7 @@ from .common import (
     dkdv_accumulate,
     dkdv_cells,
     dkdv_probs,
+    key_block,
     key_span,
     launch,
     load_head_rows,
@@ -129,20 +130,10 @@ def _bwd_fused_kernel(
     s_lo = tl.load(k_block_lo_ptr + plan_block)
     s_hi = tl.load(k_block_hi_ptr + plan_block)
 
-    offs_n = c0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n, offs_d, offs_dv, mask_n, cols, hk, k, v, dk, dv = key_block(
+        k_ptr, v_ptr, pid_hk, c0, Tk, D, DV, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, BLOCK_D, BLOCK_DV,
+        IS_BF16_EMULATED)
     offs_r = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < Tk
-    cols = offs_n.to(tl.int64)
-    hk = pid_hk.to(tl.int64)
-    k = load_head_rows(k_ptr, hk, cols, mask_n, offs_d, D, stride_kt, stride_kh)
-    v = load_head_rows(v_ptr, hk, cols, mask_n, offs_dv, DV, stride_vt, stride_vh)
-    if IS_BF16_EMULATED:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qk_scale2 = scale * DEV_LOG2E
     lse2_ptr = ws_ptr + Hq.to(tl.int64) * Tq
 

@@ -38,6 +38,7 @@ __all__ = [
     "cast_rounded",
     "load_head_rows",
     "store_head_rows",
+    "key_block",
     "dkdv_probs",
     "dkdv_cells",
     "dkdv_accumulate",
@@ -300,6 +301,28 @@ def store_head_rows(ptr, x, head, rows, mask_rows, offs_c, width, stride_t, stri
     column ``width``."""
     tl.store(ptr + head * stride_h + rows[:, None] * stride_t + offs_c[None, :], x,
              mask=mask_rows[:, None] & (offs_c[None, :] < width))
+
+
+@triton.jit
+def key_block(k_ptr, v_ptr, pid_hk, c0, Tk, D, DV, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_BF16_EMULATED: tl.constexpr):
+    """A Triton dK/dV program's keys ``[c0, c0 + BLOCK_N)`` of key/value head ``pid_hk``: ``(offs_n, offs_d,
+    offs_dv, mask_n, cols, hk, k, v, dk, dv)``, ``cols`` and ``hk`` the keys and head as int64, ``k`` and ``v``
+    zero past ``Tk`` (float32 with ``IS_BF16_EMULATED``) and ``dk``, ``dv`` zeroed accumulators."""
+    offs_n = c0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_n = offs_n < Tk
+    cols = offs_n.to(tl.int64)
+    hk = pid_hk.to(tl.int64)
+    k = load_head_rows(k_ptr, hk, cols, mask_n, offs_d, D, stride_kt, stride_kh)
+    v = load_head_rows(v_ptr, hk, cols, mask_n, offs_dv, DV, stride_vt, stride_vh)
+    if IS_BF16_EMULATED:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    return offs_n, offs_d, offs_dv, mask_n, cols, hk, k, v, dk, dv
 
 
 @triton.jit
