@@ -176,6 +176,10 @@ def backward_builds():
                bwd.BwdConfig(32, 64, 8, 2, 64, 64, 4, 2, fused_dq=True)),
               ("d64-bf16-softcap-fused", 64, 64, torch.bfloat16, 20.0, False, False,
                bwd.BwdConfig(64, 128, 8, 2, 64, 64, 4, 2, fused_dq=True))]
+    # The Hopper kernels with a GQA group's query heads split in two for dK/dV (float32 partial dK/dV).
+    cases += [("d128-bf16-split-heads-gluon", 128, 128, torch.bfloat16, 0.0, False, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             kv_head_chunks=2))]
     for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)

@@ -630,3 +630,30 @@ def test_fused_dq_backward_on_the_gpu(D, Dv, tiles):
                                dot_precision="tf32", bf16_emulated=False, block_d=pad_dim(D), block_dv=pad_dim(Dv),
                                max_spins=MAX_SPINS_GPU)
     assert int(error) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A GQA group's query heads split into chunks for the dK/dV kernel (BwdConfig.kv_head_chunks)
+
+
+@pytest.mark.parametrize("chunks", [2, 4], ids=["2-chunks", "4-chunks"])
+def test_split_query_heads_on_hopper(chunks):
+    """The default (Gluon) kernels with one KV head's 8 query heads split for dK/dV: gradients within the
+    three-way budget, dQ bitwise the unsplit call's, and bitwise reruns."""
+    import dataclasses
+
+    from flashrange.kernels.backward import default_config
+
+    default = default_config(128, 128, torch.bfloat16, torch.device(DEV))
+    if not default.gluon_dkdv:
+        pytest.skip("needs the Hopper (Gluon) backward kernels")
+    config = dataclasses.replace(default, kv_head_chunks=chunks)
+    T = 3001
+    rows = _docs(T, 7, 4) + [(100, 2000, 50, 1900, FULL), (0, T, 0, T, CAUSAL), (0, 0, 0, 0, FULL)]
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
+        T, T, 8, 1, 128, 128, rows, torch.bfloat16, seed=14, config=config)
+    unsplit = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=default)
+    assert torch.equal(dq, unsplit[0])
+    for _ in range(3):
+        again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=config)
+        assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))

@@ -501,3 +501,68 @@ def test_uncovered_rows_with_nan_inputs():
     got = range_attention_backward_triton(do_bad, q_bad, k, v, out_bad, lse, *mask, None, 0.0, dlse_bad)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), f"{name}: {int(torch.isnan(a).sum())} NaN"
+
+
+# ---------------------------------------------------------------------------------------------
+# The query heads of a group split into chunks for the dK/dV kernel (BwdConfig.kv_head_chunks)
+
+CHUNKED = [
+    # (Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse)
+    pytest.param(4, 1, 2, 16, 16, torch.bfloat16, 0.0, False, id="mqa4-2chunks-bf16"),
+    pytest.param(8, 2, 4, 40, 24, torch.float16, 5.0, True, id="gqa4-4chunks-D40-Dv24-softcap-dlse-fp16"),
+    pytest.param(6, 2, 3, 16, 16, torch.float32, 0.0, True, id="gqa3-3chunks-dlse-fp32"),
+]
+
+
+@pytest.mark.parametrize("Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse", CHUNKED)
+def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse, monkeypatch):
+    """dK/dV from chunks of a group's query heads, added after the kernel: the kernel's grid has a program per
+    chunk, the gradients are within the three-way budget, dQ is bitwise that of the unsplit call (its kernel
+    is the same), and all are bitwise the same on a rerun, on a permuted slice list and with empty slices
+    added."""
+    import flashrange.kernels.backward as bwd
+
+    grids = []
+    real_launch = bwd.launch
+
+    def recording(kernel, grid, args, **kw):
+        if kernel is bwd._bwd_dkdv_kernel:
+            grids.append(grid[0])
+        return real_launch(kernel, grid, args, **kw)
+
+    monkeypatch.setattr(bwd, "launch", recording)
+    Tq, Tk = 97, 83
+    rows = _random_rows(Tq, Tk, 6, seed=31, n_empty=1, uncovered=2)
+    base = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
+    split = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, kv_head_chunks=chunks)
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse) = _check_grads(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, softcap=softcap,
+                                                              with_dlse=with_dlse, seed=5, config=split)
+    qr, kr, mt = _ranges(rows)
+    unsplit = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse, config=base)
+    assert grids == [grids[1] * chunks, grids[1]]
+    assert torch.equal(dq, unsplit[0])
+    rng = random.Random(1)
+    shuffled = rows[:]
+    rng.shuffle(shuffled)
+    padded = shuffled[:]
+    for _ in range(3):
+        padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
+    for variant in (rows, shuffled, padded):
+        qr, kr, mt = _ranges(variant)
+        got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse, config=split)
+        for a, b in zip((dq, dk, dv), got):
+            assert torch.equal(a, b)
+
+
+def test_split_query_heads_checks():
+    """A chunk count that does not divide the group is refused with the fix; the fused backward takes none."""
+    q, k, v, do, _ = _inputs(17, 17, 6, 2, 16, 16, torch.bfloat16, 0, False)
+    qr, kr, mt = _ranges([(0, 17, 0, 17, CAUSAL)])
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
+    with pytest.raises(ValueError, match="kv_head_chunks=2 must divide the query heads per KV head, 3"):
+        range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt,
+                                        config=BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, kv_head_chunks=2))
+    with pytest.raises(ValueError, match="positive int"):
+        BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, kv_head_chunks=0)
+    with pytest.raises(ValueError, match="leave it 1 with fused_dq"):
+        BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, fused_dq=True, kv_head_chunks=2)

@@ -390,6 +390,11 @@ class BwdConfig:
     # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
     # the dQ fields.
     fused_dq: bool = False
+    # The query heads of each GQA group split into this many chunks for the dK/dV kernel: each chunk is a work
+    # item of its own (more items when key blocks x KV heads are few, as with one KV head at short T), its
+    # heads summed into float32 partial dK/dV that are added in chunk order afterwards. Must divide the
+    # group; 1 (the default) never splits. Deterministic either way, but the bits of dK/dV depend on it.
+    kv_head_chunks: int = 1
 
     def __post_init__(self):
         for f in fields(self):
@@ -410,6 +415,9 @@ class BwdConfig:
             raise ValueError(f"BwdConfig.gluon_dq needs q_block_m=128, got {self.q_block_m}")
         if self.fused_dq and (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.fused_dq runs a Triton kernel: set gluon_dkdv and gluon_dq to False")
+        if self.fused_dq and self.kv_head_chunks != 1:
+            raise ValueError("BwdConfig.kv_head_chunks applies to the dK/dV kernel of the two-launch backward: "
+                             "leave it 1 with fused_dq")
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
@@ -572,20 +580,33 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             has_dlse, has_softcap, row64, *dq_meta,
         )
         dq_grid = (plan.q_block_order.shape[0] * q_split * Hq,)
+        chunks = _check_chunks(cfg.kv_head_chunks, G)
+        if chunks > 1:
+            # Each KV head repeated once per chunk of its group's query heads: the kernel sees Hkv * chunks
+            # heads of G / chunks query heads each, and writes float32 partial dK/dV per (head, chunk).
+            kx, vx = (t.unsqueeze(2).expand(Tk, Hkv, chunks, t.shape[2]).reshape(Tk, Hkv * chunks, t.shape[2])
+                      for t in (k, v))
+            dkx = torch.empty(Tk, Hkv * chunks, D, dtype=torch.float32, device=dev)
+            dvx = torch.empty(Tk, Hkv * chunks, Dv, dtype=torch.float32, device=dev)
+            skx, svx, sdkx, sdvx = kx.stride(), vx.stride(), dkx.stride(), dvx.stride()
+            row64 = row64 or needs_int64(kx, vx)
+        else:
+            kx, vx, dkx, dvx, skx, svx, sdkx, sdvx = k, v, dk, dv, sk, sv, sdk, sdv
         dkdv_args = (
-            q, k, v, dout, ws, dk, dv,
+            q, kx, vx, dout, ws, dkx, dvx,
             plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
-            Tq, Tk, Hq, Hkv, G, D, Dv,
-            sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
-            sdo[0], sdo[1], sdk[0], sdk[1], sdv[0], sdv[1],
+            Tq, Tk, Hq, Hkv * chunks, G // chunks, D, Dv,
+            sq[0], sq[1], skx[0], skx[1], svx[0], svx[1],
+            sdo[0], sdo[1], sdkx[0], sdkx[1], sdvx[0], sdvx[1],
             scale, softcap,
             has_softcap, row64, *dkdv_meta,
         )
-        dkdv_grid = (plan.k_block_order.shape[0] * kv_split * Hkv,)
+        dkdv_grid = (plan.k_block_order.shape[0] * kv_split * Hkv * chunks,)
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
-        for use_gluon, name, grid, args, stages, warps in (
-            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps),
-            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps),
+        for use_gluon, name, grid, args, stages, warps, kv in (
+            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v)),
+            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps,
+             (kx, vx)),
         ):
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
             if use_gluon:
@@ -595,7 +616,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
                     # STAGES, NUM_WARPS, HAS_PACKED_HEADS
-                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4, packed_heads(q, k, v, dout)),
+                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4, packed_heads(q, *kv, dout)),
                            num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
@@ -604,7 +625,19 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     _disable_gluon(e)
                     raise _GluonBuildError from e
             launch(triton_kernel, grid, args, num_warps=warps, num_stages=stages)
+        if chunks > 1:
+            # The chunks' partial sums, added in chunk order (a fixed-shape reduction: the same bits each run).
+            dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
+            dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
     return dq, dk, dv
+
+
+def _check_chunks(chunks: int, G: int) -> int:
+    """``BwdConfig.kv_head_chunks`` for a group of ``G`` query heads, checked."""
+    if G % chunks:
+        raise ValueError(f"BwdConfig.kv_head_chunks={chunks} must divide the query heads per KV head, {G}: "
+                         "pick a divisor of Hq // Hkv (1 never splits)")
+    return chunks
 
 
 def _gluon_takes(q, k, v, dout) -> bool:
