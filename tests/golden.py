@@ -155,6 +155,17 @@ ROW_BUDGET = 1.0
 TENSOR_BUDGET = 0.75
 
 
+def shuffled_and_padded(rows, rng, n_empty):
+    """``(shuffled, padded)``: the slice rows in a random order, and that order with ``n_empty`` empty slices
+    inserted at random places (an invariance the kernels must keep bit for bit)."""
+    shuffled = rows[:]
+    rng.shuffle(shuffled)
+    padded = shuffled[:]
+    for _ in range(n_empty):
+        padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
+    return shuffled, padded
+
+
 def short_slice_rows(Tq, Tk, n, rng, *, max_len=40):
     """``n`` short slices ``(qs, qe, ks, ke, type)``: at most ``max_len`` rows and keys each, every end different.
 

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from golden import assert_three_way, heads_padded_view, random_slice_rows, short_slice_rows
+from golden import assert_three_way, heads_padded_view, random_slice_rows, short_slice_rows, shuffled_and_padded
 
 pytestmark = [
     pytest.mark.gpu,
@@ -174,12 +174,7 @@ def test_bitwise_rerun_permutation_padding():
     rows = _docs(T, 37, 5) + [(100, 3000, 50, 2900, FULL), (4000, 8191, 4000, 8000, INV_CAUSAL)]
     (dq, dk, dv), (q, k, v, do, out, lse, dlse, *_ ) = _three_way(T, T, 8, 2, 128, 128, rows, torch.bfloat16,
                                                                   seed=9, golden=False)
-    rng = random.Random(3)
-    shuffled = rows[:]
-    rng.shuffle(shuffled)
-    padded = shuffled[:]
-    for _ in range(23):
-        padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
+    shuffled, padded = shuffled_and_padded(rows, random.Random(3), 23)
     for variant in (rows, rows, shuffled, padded):
         qr, kr, mt = _ranges(variant)
         got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from flashrange import reference
-from golden import assert_three_way, dense_counts, random_slice_rows, three_way_errors
+from golden import assert_three_way, dense_counts, random_slice_rows, shuffled_and_padded, three_way_errors
 from flashrange.kernels.backward import BwdConfig, default_config, range_attention_backward_triton
 
 from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
@@ -177,12 +177,7 @@ def test_bitwise_rerun_permutation_padding():
     rows = _random_rows(Tq, Tk, 5, seed=21)
     (dq, dk, dv), (q, k, v, do, out, lse, dlse) = _check_grads(Tq, Tk, 2, 1, 16, 16, rows, torch.bfloat16,
                                                               with_dlse=True, seed=3)
-    rng = random.Random(0)
-    shuffled = rows[:]
-    rng.shuffle(shuffled)
-    padded = shuffled[:]
-    for _ in range(5):
-        padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
+    shuffled, padded = shuffled_and_padded(rows, random.Random(0), 5)
     for variant in (rows, shuffled, padded):  # a rerun, then the permuted and padded lists
         qr, kr, mt = _ranges(variant)
         got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)
@@ -541,12 +536,7 @@ def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, wi
     unsplit = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse, config=base)
     assert grids == [grids[1] * chunks, grids[1]]
     assert torch.equal(dq, unsplit[0])
-    rng = random.Random(1)
-    shuffled = rows[:]
-    rng.shuffle(shuffled)
-    padded = shuffled[:]
-    for _ in range(3):
-        padded.insert(rng.randint(0, len(padded)), (0, 0, 0, 0, FULL))
+    shuffled, padded = shuffled_and_padded(rows, random.Random(1), 3)
     for variant in (rows, shuffled, padded):
         qr, kr, mt = _ranges(variant)
         got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse, config=split)
