@@ -392,7 +392,7 @@ class BwdConfig:
     fused_dq: bool = False
     # The query heads of each GQA group split into this many chunks for the dK/dV kernel: each chunk is a work
     # item of its own (more items when key blocks x KV heads are few, as with one KV head at short T), its
-    # heads summed into float32 partial dK/dV that are added in chunk order afterwards. Must divide the
+    # heads summed into float32 partial dK/dV that one fixed-shape reduction adds afterwards. Must divide the
     # group; 1 (the default) never splits. Deterministic either way, but the bits of dK/dV depend on it.
     kv_head_chunks: int = 1
 
@@ -626,7 +626,8 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     raise _GluonBuildError from e
             launch(triton_kernel, grid, args, num_warps=warps, num_stages=stages)
         if chunks > 1:
-            # The chunks' partial sums, added in chunk order (a fixed-shape reduction: the same bits each run).
+            # The chunks' partial sums added by one reduction of a fixed shape: the same order, so the same bits,
+            # on every run.
             dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
             dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
     return dq, dk, dv
