@@ -100,6 +100,19 @@ def fa3_window_counts(Lq, Lk, causal=False, window_size=(-1, -1)):
     return ok.to(torch.int32)
 
 
+def grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse=True, device="cpu"):
+    """``(q, k, v, dout, dlse)`` of a backward test: standard normal, drawn in that order from one generator
+    seeded with ``seed`` on ``device``, then cast to ``dtype`` (``dlse`` stays float32, zeros without
+    ``with_dlse``)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(Tq, Hq, D, generator=g, device=device).to(dtype)
+    k = torch.randn(Tk, Hkv, D, generator=g, device=device).to(dtype)
+    v = torch.randn(Tk, Hkv, Dv, generator=g, device=device).to(dtype)
+    dout = torch.randn(Tq, Hq, Dv, generator=g, device=device).to(dtype)
+    dlse = torch.randn(Tq, Hq, generator=g, device=device) if with_dlse else torch.zeros(Tq, Hq, device=device)
+    return q, k, v, dout, dlse
+
+
 def max_err(a, b):
     """Largest absolute difference, treating equal infinities as equal."""
     a, b = a.detach().double(), b.detach().double()

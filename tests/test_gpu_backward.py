@@ -17,7 +17,8 @@ import random
 
 import pytest
 import torch
-from golden import assert_three_way, heads_padded_view, random_slice_rows, short_slice_rows, shuffled_and_padded
+from golden import (assert_three_way, grad_inputs, heads_padded_view, random_slice_rows, short_slice_rows,
+                    shuffled_and_padded)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,13 +63,7 @@ def _window(T, w):
 
 
 def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse=True):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(Tq, Hq, D, generator=g, device=DEV).to(dtype)
-    k = torch.randn(Tk, Hkv, D, generator=g, device=DEV).to(dtype)
-    v = torch.randn(Tk, Hkv, Dv, generator=g, device=DEV).to(dtype)
-    do = torch.randn(Tq, Hq, Dv, generator=g, device=DEV).to(dtype)
-    dlse = torch.randn(Tq, Hq, generator=g, device=DEV) if with_dlse else torch.zeros(Tq, Hq, device=DEV)
-    return q, k, v, do, dlse
+    return grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse, device=DEV)
 
 
 def _three_way(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, *, softcap=0.0, seed=0, with_dlse=True, golden=True, config=None):

@@ -18,7 +18,7 @@ import torch
 import flashrange
 from flashrange import ops, reference
 from flashrange.interface import merge_sink
-from golden import assert_sink_three_way, assert_three_way, dense_attention, dense_counts
+from golden import assert_sink_three_way, assert_three_way, dense_attention, dense_counts, grad_inputs
 from test_max_logits import golden_max_logits
 from test_sinks import golden_sink_attention, replay_function
 
@@ -41,14 +41,8 @@ def _docs(T, n, seed, uncovered=0):
     return [(a, b, a, b, CAUSAL) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(Tq, Hq, D, device=DEV, generator=g).to(dtype)
-    k = torch.randn(Tk, Hkv, D, device=DEV, generator=g).to(dtype)
-    v = torch.randn(Tk, Hkv, Dv, device=DEV, generator=g).to(dtype)
-    dout = torch.randn(Tq, Hq, Dv, device=DEV, generator=g).to(dtype)
-    dlse = torch.randn(Tq, Hq, device=DEV, generator=g)
-    return q, k, v, dout, dlse
+def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse=True):
+    return grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse, device=DEV)
 
 
 # The reference backward on given forward outputs (the kernels'): the yardstick of the gradients.

@@ -19,7 +19,7 @@ import torch
 
 from flashrange import reference
 from flashrange.constants import MAX_HEAD_DIM, MAX_HEAD_DIM_V, WIDE_V_MAX_HEAD_DIM, kernel_head_dims_ok
-from golden import assert_three_way, dense_attention, dense_counts, random_slice_rows
+from golden import assert_three_way, dense_attention, dense_counts, grad_inputs, random_slice_rows
 
 triton = pytest.importorskip("triton")
 
@@ -32,16 +32,6 @@ FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
 def _ranges(rows):
     t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
     return t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous()
-
-
-def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(Tq, Hq, D, generator=g).to(dtype)
-    k = torch.randn(Tk, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(Tk, Hkv, Dv, generator=g).to(dtype)
-    dout = torch.randn(Tq, Hq, Dv, generator=g).to(dtype)
-    dlse = torch.randn(Tq, Hq, generator=g)
-    return q, k, v, dout, dlse
 
 
 def _golden(q, k, v, counts, scale, dout, dlse):
@@ -67,7 +57,7 @@ SHAPES = [
 @pytest.mark.parametrize("Tq,Tk,Hq,Hkv,D,Dv,dtype", SHAPES)
 def test_forward_and_backward_three_way(Tq, Tk, Hq, Hkv, D, Dv, dtype):
     """Random masks (every type, overlaps, empty slices, uncovered rows), a non-zero dlse."""
-    q, k, v, dout, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed=Tq * 13 + Dv)
+    q, k, v, dout, dlse = grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed=Tq * 13 + Dv)
     rows = random_slice_rows(Tq, Tk, 5, random.Random(D + Dv), n_empty=2, uncovered=3)
     qr, kr, mt = _ranges(rows)
     scale = D ** -0.5
@@ -95,7 +85,7 @@ def test_wide_value_unmasked_tiles():
     """One large causal slice with the interpreter's small tiles: whole tiles inside the slice (no element
     mask) next to masked diagonal tiles, at Dv = 512."""
     T, D, Dv = 70, 16, 512
-    q, k, v, dout, dlse = _inputs(T, T, 2, 1, D, Dv, torch.bfloat16, seed=5)
+    q, k, v, dout, dlse = grad_inputs(T, T, 2, 1, D, Dv, torch.bfloat16, seed=5)
     qr, kr, mt = _ranges([(0, T, 0, T, CAUSAL), (5, 40, 0, 20, FULL)])
     counts = dense_counts(qr, kr, mt, T, T)
     gold_out, _, gold_grads = _golden(q, k, v, counts, 0.25, dout, dlse)

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from flashrange import reference
-from golden import assert_three_way, dense_counts, random_slice_rows, shuffled_and_padded, three_way_errors
+from golden import assert_three_way, dense_counts, grad_inputs, random_slice_rows, shuffled_and_padded, three_way_errors
 from flashrange.kernels.backward import BwdConfig, default_config, range_attention_backward_triton
 
 from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
@@ -52,19 +52,9 @@ def _random_rows(Tq, Tk, n, seed, *, n_empty=0, uncovered=0):
     return random_slice_rows(Tq, Tk, n, random.Random(seed), n_empty=n_empty, uncovered=uncovered)
 
 
-def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(Tq, Hq, D, generator=g).to(dtype)
-    k = torch.randn(Tk, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(Tk, Hkv, Dv, generator=g).to(dtype)
-    do = torch.randn(Tq, Hq, Dv, generator=g).to(dtype)
-    dlse = torch.randn(Tq, Hq, generator=g) if with_dlse else torch.zeros(Tq, Hq)
-    return q, k, v, do, dlse
-
-
 def _grads(Tq, Tk, Hq, Hkv, D, Dv, rows, dtype, *, softcap=0.0, scale=None, with_dlse=False, seed=0, config=None):
     """``(golden, reference, kernel)`` gradients and the inputs."""
-    q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse)
+    q, k, v, do, dlse = grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed, with_dlse)
     qr, kr, mt = _ranges(rows)
     f64 = [t.double() for t in (q, k, v)]
     out64, lse64 = reference.range_attention_forward(*f64, qr, kr, mt, scale, softcap)
@@ -298,7 +288,7 @@ def test_fast_path_every_type(q_range, k_range, mtype, Tq, Tk):
 )
 def test_zero_length_inputs(Tq, Tk, S):
     rows = [(0, Tq, 0, Tk, CAUSAL), (0, 3, 1, 2, FULL)][:S]
-    q, k, v, do, dlse = _inputs(Tq, Tk, 2, 1, 16, 8, torch.bfloat16, 0, True)
+    q, k, v, do, dlse = grad_inputs(Tq, Tk, 2, 1, 16, 8, torch.bfloat16, 0, True)
     qr, kr, mt = _ranges(rows) if S else (torch.zeros(0, 2, dtype=torch.int32),) * 2 + (torch.zeros(0, dtype=torch.int32),)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
     dq, dk, dv = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)
@@ -419,7 +409,7 @@ def _uncovered_case(seed=41):
     assert 140 < 2 * PLAN_BLOCK < Tq < 3 * PLAN_BLOCK and Tq % 32
     uncovered = torch.zeros(Tq, dtype=torch.bool)
     uncovered[:5] = uncovered[40:60] = uncovered[140:] = True  # rows 50-59 read no key of either slice
-    q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, torch.bfloat16, seed, True)
+    q, k, v, do, dlse = grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, torch.bfloat16, seed, True)
     qr, kr, mt = _ranges(rows)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
     assert torch.isneginf(lse[uncovered]).all() and torch.isfinite(lse[~uncovered]).all()
@@ -546,7 +536,7 @@ def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, wi
 
 def test_split_query_heads_checks():
     """A chunk count that does not divide the group is refused with the fix; the fused backward takes none."""
-    q, k, v, do, _ = _inputs(17, 17, 6, 2, 16, 16, torch.bfloat16, 0, False)
+    q, k, v, do, _ = grad_inputs(17, 17, 6, 2, 16, 16, torch.bfloat16, 0, False)
     qr, kr, mt = _ranges([(0, 17, 0, 17, CAUSAL)])
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
     with pytest.raises(ValueError, match="kv_head_chunks=2 must divide the query heads per KV head, 3"):

@@ -18,7 +18,7 @@ from flashrange import plan_mask, reference
 from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from flashrange.kernels.backward import BwdConfig, range_attention_backward_triton
 from flashrange.kernels.backward_fused import fused_backward
-from golden import assert_three_way, random_slice_rows
+from golden import assert_three_way, grad_inputs, random_slice_rows
 
 FUSED = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, fused_dq=True)
 
@@ -33,16 +33,6 @@ def _docs(T, n, seed):
     cuts = sorted(random.Random(seed).sample(range(1, T), n - 1))
     b = [0] + cuts + [T]
     return [(b[i], b[i + 1], b[i], b[i + 1], CAUSAL) for i in range(n)]
-
-
-def _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(Tq, Hq, D, generator=g).to(dtype)
-    k = torch.randn(Tk, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(Tk, Hkv, Dv, generator=g).to(dtype)
-    do = torch.randn(Tq, Hq, Dv, generator=g).to(dtype)
-    dlse = torch.randn(Tq, Hq, generator=g)
-    return q, k, v, do, dlse
 
 
 CASES = [
@@ -64,7 +54,7 @@ CASES = [
 
 @pytest.mark.parametrize("Tq, Tk, Hq, Hkv, D, Dv, rows_of, dtype, softcap, with_dlse", CASES)
 def test_fused_three_way(Tq, Tk, Hq, Hkv, D, Dv, rows_of, dtype, softcap, with_dlse):
-    q, k, v, do, dlse = _inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed=Tq + D)
+    q, k, v, do, dlse = grad_inputs(Tq, Tk, Hq, Hkv, D, Dv, dtype, seed=Tq + D)
     dlse = dlse if with_dlse else None
     qr, kr, mt = _ranges(rows_of(Tq, Tk))
     f64 = [t.double() for t in (q, k, v)]
@@ -79,7 +69,7 @@ def test_fused_three_way(Tq, Tk, Hq, Hkv, D, Dv, rows_of, dtype, softcap, with_d
 
 
 def _fused_call(rows, seed=5, T=150, Hq=4, Hkv=2, D=16):
-    q, k, v, do, dlse = _inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, seed)
+    q, k, v, do, dlse = grad_inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, seed)
     qr, kr, mt = _ranges(rows)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None, 0.0)
     return range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=FUSED)
@@ -101,7 +91,7 @@ def test_fused_bitwise_rerun_permutation_and_empty_slices():
 
 def _direct(rows, T, plan=None, Hq=2, Hkv=1, D=16):
     """:func:`fused_backward` itself (its error flag is not returned by the public path)."""
-    q, k, v, do, _ = _inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, 11)
+    q, k, v, do, _ = grad_inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, 11)
     qr, kr, mt = _ranges(rows)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None, 0.0)
     plan = plan_mask(qr, kr, mt, T, T) if plan is None else plan
@@ -143,7 +133,7 @@ def test_fused_equals_the_two_kernel_backward(Tq, Tk, rows):
     """The same gradients as the two-kernel backward up to rounding (only the grouping of the sums differs),
     on documents and on edges the plan resolves (a single token, slices that cover nothing, ranges past the
     tensors, an unknown type code), zeros where nothing is covered."""
-    q, k, v, do, dlse = _inputs(Tq, Tk, 4, 2, 16, 16, torch.float32, 6)
+    q, k, v, do, dlse = grad_inputs(Tq, Tk, 4, 2, 16, 16, torch.float32, 6)
     qr, kr, mt = _ranges(rows)
     out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None, 0.0)
     fused = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=FUSED)
