@@ -1,26 +1,21 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT). As left by the fourteenth session for
-# the next one's first call: the whole GPU test suite in seven pytest processes side by side. On a fresh
-# machine compiling dominates (CPU-bound, 16 cores, one shared Triton cache); the groups are sized from the
-# fourteenth session's runs (the largest, the Hopper forward fuzz, took about 4 minutes).
+# The runs of one device call, edited per session (logs under $OUT). Fifteenth session, first call: the
+# split-heads GPU test, then A/Bs of register operands for the Gluon backward's score matmuls (packages
+# exported by scripts/ab_export.sh, carried as "ab") and of BwdConfig.kv_head_chunks.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-run_group() {  # name, pytest args...
+timeout 150 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_backward.py -k split_query_heads \
+  > "$OUT/pytest_split.log" 2>&1; echo "split rc=$?" | tee -a "$OUT/rc.txt"
+tail -n 5 "$OUT/pytest_split.log"
+ab() {  # name, ab.py args...
   local name=$1; shift
-  timeout 560 python -m pytest -q -p no:cacheprovider -rfE -m gpu "$@" --durations=5 > "$OUT/pytest_$name.log" 2>&1
-  echo "$name rc=$?" >> "$OUT/rc.txt"
+  timeout 200 python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
+  echo "$name rc=$?" | tee -a "$OUT/rc.txt"; tail -n 14 "$OUT/ab_$name.log"
 }
-F=tests/test_gpu_forward.py
-run_group backward tests/test_gpu_backward.py &
-run_group garbage tests/test_gpu_fuzz.py &
-run_group rest tests/test_gpu_eager.py tests/test_head_dims.py tests/test_kernel_forward.py tests/test_transformers.py \
-  tests/test_validation.py tests/test_bench.py tests/test_distributed.py tests/test_compile_sm90.py &
-run_group fwd-configs "$F" -k "every_config" &
-run_group fwd-fuzz "$F" -k "fuzz_hopper" &
-run_group fwd-rest "$F" -k "not every_config and not fuzz_hopper" &
-run_group features tests/test_gpu_features.py &
-wait
-cat "$OUT/rc.txt"
-for f in "$OUT"/pytest_*.log; do echo "== $f"; tail -n 9 "$f"; done
+ab d64 --fuzz 6 --fuzz-d 64 --cases full-8k-d64,causal-8k-d64 --bwd main:default --bwd rsk:default \
+  --bwd rskv:default --bwd rsq:default
+ab d128 --fuzz 6 --cases full-8k,causal-8k,doc128-32k --bwd main:default --bwd rsq:default
+ab chunks --cases causal-8k-mqa,full-4k-gqa16:2 --bwd main:default \
+  --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+chunks2" --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+chunks4"
