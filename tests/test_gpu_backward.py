@@ -647,3 +647,28 @@ def test_split_query_heads_on_hopper(chunks):
     for _ in range(3):
         again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=config)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+
+
+def test_default_call_splits_few_kv_items_on_hopper():
+    """One KV head of 8 query heads at 3001 tokens: fewer dK/dV work items than streaming multiprocessors, so a
+    call without a config splits the group (as ``kv_head_chunks_for`` says): within the three-way budget,
+    bitwise the config with those chunks, bitwise on reruns."""
+    import dataclasses
+
+    from flashrange.kernels.backward import default_config, kv_head_chunks_for
+
+    default = default_config(128, 128, torch.bfloat16, torch.device(DEV))
+    if not default.gluon_dkdv:
+        pytest.skip("needs the Hopper (Gluon) backward kernels")
+    T, Hq = 3001, 8
+    n_items = -(-T // default.kv_block_n)  # one KV head: a work item per key block
+    chunks = kv_head_chunks_for(n_items, Hq, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert chunks > 1
+    rows = _docs(T, 5, 2) + [(0, T, 0, T, CAUSAL), (7, 7, 0, 0, FULL)]
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
+        T, T, Hq, 1, 128, 128, rows, torch.bfloat16, seed=21)
+    split = dataclasses.replace(default, kv_head_chunks=chunks)
+    for config in (split, None):
+        again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=config)
+        assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+

@@ -29,6 +29,7 @@ permutation and padding.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -36,7 +37,7 @@ import torch
 
 from flashrange import reference
 from golden import assert_three_way, dense_counts, grad_inputs, random_slice_rows, shuffled_and_padded, three_way_errors
-from flashrange.kernels.backward import BwdConfig, default_config, range_attention_backward_triton
+from flashrange.kernels.backward import BwdConfig, default_config, kv_head_chunks_for, range_attention_backward_triton
 
 from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: E402
 
@@ -532,6 +533,52 @@ def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, wi
         got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse, config=split)
         for a, b in zip((dq, dk, dv), got):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n_items, group, n_sms, want", [
+    pytest.param(64, 16, 132, 4, id="mqa-8k-h200"),       # 2 chunks: 128 items, short of 132
+    pytest.param(64, 8, 132, 4, id="gqa8-4k"),
+    pytest.param(132, 4, 132, 1, id="one-per-sm-already"),
+    pytest.param(1024, 4, 132, 1, id="many-items"),
+    pytest.param(10, 6, 25, 3, id="divisor-3"),            # 2 chunks: 20 items; 3: 30
+    pytest.param(8, 3, 132, 3, id="none-enough-takes-the-group"),
+    pytest.param(5, 1, 132, 1, id="mha-cannot-split"),
+    pytest.param(5, 8, 0, 1, id="no-multiprocessor-count"),
+])
+def test_default_chunks_rule(n_items, group, n_sms, want):
+    """The fewest chunks (a divisor of the group) that give every streaming multiprocessor a work item."""
+    assert kv_head_chunks_for(n_items, group, n_sms) == want
+
+
+@pytest.mark.parametrize("n_sms, want_chunks", [pytest.param(10**6, 4, id="many-sms-splits-the-group"),
+                                                pytest.param(1, 1, id="one-sm-keeps-it")])
+def test_default_call_splits_from_the_processor_count(n_sms, want_chunks, monkeypatch):
+    """A call without a config splits as the rule says for the device's processor count (stood in for here:
+    the interpreter has none), bitwise as the config with those chunks; a config passed in is kept."""
+    import flashrange.kernels.backward as bwd
+
+    grids = []
+    real_launch = bwd.launch
+
+    def recording(kernel, grid, args, **kw):
+        if kernel is bwd._bwd_dkdv_kernel:
+            grids.append(grid[0])
+        return real_launch(kernel, grid, args, **kw)
+
+    monkeypatch.setattr(bwd, "launch", recording)
+    monkeypatch.setattr(bwd, "_processors", lambda device: n_sms)
+    Tq, Tk, Hq, Hkv = 61, 70, 4, 1
+    q, k, v, do, _ = grad_inputs(Tq, Tk, Hq, Hkv, 16, 16, torch.bfloat16, 3, False)
+    qr, kr, mt = _ranges(_random_rows(Tq, Tk, 5, seed=8, n_empty=1, uncovered=1))
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt)
+    config = dataclasses.replace(bwd.default_config(16, 16, torch.bfloat16, q.device), kv_head_chunks=want_chunks)
+    want = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, config=config)
+    range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt,
+                                    config=bwd.default_config(16, 16, torch.bfloat16, q.device))
+    assert grids[0] == grids[1] == grids[2] * want_chunks
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_split_query_heads_checks():

@@ -393,7 +393,8 @@ class BwdConfig:
     # The query heads of each GQA group split into this many chunks for the dK/dV kernel: each chunk is a work
     # item of its own (more items when key blocks x KV heads are few, as with one KV head at short T), its
     # heads summed into float32 partial dK/dV that one fixed-shape reduction adds afterwards. Must divide the
-    # group; 1 (the default) never splits. Deterministic either way, but the bits of dK/dV depend on it.
+    # group; 1 never splits. A call without a config picks it from the shapes (kv_head_chunks_for), a config
+    # passed in is taken as it is. Deterministic either way, but the bits of dK/dV depend on it.
     kv_head_chunks: int = 1
 
     def __post_init__(self):
@@ -580,7 +581,11 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             has_dlse, has_softcap, row64, *dq_meta,
         )
         dq_grid = (plan.q_block_order.shape[0] * q_split * Hq,)
-        chunks = _check_chunks(cfg.kv_head_chunks, G)
+        n_kv_items = plan.k_block_order.shape[0] * kv_split * Hkv
+        if config is None:
+            chunks = kv_head_chunks_for(n_kv_items, G, _processors(dev))
+        else:
+            chunks = _check_chunks(cfg.kv_head_chunks, G)
         if chunks > 1:
             # Each KV head repeated once per chunk of its group's query heads: the kernel sees Hkv * chunks
             # heads of G / chunks query heads each, and writes float32 partial dK/dV per (head, chunk).
@@ -601,7 +606,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             scale, softcap,
             has_softcap, row64, *dkdv_meta,
         )
-        dkdv_grid = (plan.k_block_order.shape[0] * kv_split * Hkv * chunks,)
+        dkdv_grid = (n_kv_items * chunks,)
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
         for use_gluon, name, grid, args, stages, warps, kv in (
             (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v)),
@@ -631,6 +636,25 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
             dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
     return dq, dk, dv
+
+
+def kv_head_chunks_for(n_items: int, group: int, n_sms: int) -> int:
+    """The chunks a default call splits each GQA group into for the dK/dV kernel (``BwdConfig.kv_head_chunks``):
+    the fewest (a divisor of ``group``, the query heads per KV head) that give the kernel's ``n_items`` work
+    items (key blocks x KV heads) at least one per streaming multiprocessor of ``n_sms``, or ``group`` when
+    none does; 1 without a multiprocessor count (the interpreter). From shapes and the device only, never the
+    mask, so a mask change cannot change the bits (docs/design.md, "Backward")."""
+    if n_sms <= 0:
+        return 1
+    for chunks in range(1, group + 1):
+        if group % chunks == 0 and n_items * chunks >= n_sms:
+            return chunks
+    return group
+
+
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 0 elsewhere."""
+    return sm_count(device.index) if device.type == "cuda" else 0
 
 
 def _check_chunks(chunks: int, G: int) -> int:
