@@ -501,7 +501,7 @@ def test_views_the_gluon_kernels_cannot_take_run_the_triton_default(D, softcap):
     """Under the default config, inputs the Gluon kernels cannot take (a view 2 bytes off a 16-byte boundary)
     run the Triton kernels with the Triton default's tiles, not the Gluon default's (which differ at D=128 and
     D=64): the bits of that config asked for by name."""
-    from flashrange.kernels.backward import BwdConfig, _gluon_takes, default_config
+    from flashrange.kernels.backward import BwdConfig, _gluon_takes, default_config, kv_head_chunks_for
 
     T = 517
     rows = _docs(T, 5, 3) + [(0, 300, 0, 200, FULL)]
@@ -516,7 +516,10 @@ def test_views_the_gluon_kernels_cannot_take_run_the_triton_default(D, softcap):
     assert not _gluon_takes(shifted[1], shifted[2], shifted[3], shifted[0])
     gluon_default = default_config(D, D, torch.bfloat16, torch.device(DEV), softcap=softcap != 0)
     assert gluon_default.gluon_dkdv
-    triton_default = BwdConfig(32 if D == 128 else 64, 128, 8, 3, 128, 64, 8, 3)
+    # With the GQA group split as a call without a config splits it (kv_head_chunks_for: 2 KV heads of 5 key
+    # blocks each give fewer work items than SMs).
+    chunks = kv_head_chunks_for(-(-T // 128) * 2, 2, torch.cuda.get_device_properties(0).multi_processor_count)
+    triton_default = BwdConfig(32 if D == 128 else 64, 128, 8, 3, 128, 64, 8, 3, kv_head_chunks=chunks)
     got = range_attention_backward_triton(*shifted, out, lse, qr, kr, mt, None, softcap, dlse)
     want = range_attention_backward_triton(*shifted, out, lse, qr, kr, mt, None, softcap, dlse,
                                            config=triton_default)
