@@ -500,12 +500,8 @@ CHUNKED = [
 ]
 
 
-@pytest.mark.parametrize("Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse", CHUNKED)
-def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse, monkeypatch):
-    """dK/dV from chunks of a group's query heads, added after the kernel: the kernel's grid has a program per
-    chunk, the gradients are within the three-way budget, dQ is bitwise that of the unsplit call (its kernel
-    is the same), and all are bitwise the same on a rerun, on a permuted slice list and with empty slices
-    added."""
+def _dkdv_grids(monkeypatch):
+    """The grid size of every dK/dV launch from now on (this test's), in order."""
     import flashrange.kernels.backward as bwd
 
     grids = []
@@ -517,6 +513,16 @@ def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, wi
         return real_launch(kernel, grid, args, **kw)
 
     monkeypatch.setattr(bwd, "launch", recording)
+    return grids
+
+
+@pytest.mark.parametrize("Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse", CHUNKED)
+def test_split_query_heads_of_a_group(Hq, Hkv, chunks, D, Dv, dtype, softcap, with_dlse, monkeypatch):
+    """dK/dV from chunks of a group's query heads, added after the kernel: the kernel's grid has a program per
+    chunk, the gradients are within the three-way budget, dQ is bitwise that of the unsplit call (its kernel
+    is the same), and all are bitwise the same on a rerun, on a permuted slice list and with empty slices
+    added."""
+    grids = _dkdv_grids(monkeypatch)
     Tq, Tk = 97, 83
     rows = _random_rows(Tq, Tk, 6, seed=31, n_empty=1, uncovered=2)
     base = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
@@ -557,15 +563,7 @@ def test_default_call_splits_from_the_processor_count(n_sms, want_chunks, monkey
     the interpreter has none), bitwise as the config with those chunks; a config passed in is kept."""
     import flashrange.kernels.backward as bwd
 
-    grids = []
-    real_launch = bwd.launch
-
-    def recording(kernel, grid, args, **kw):
-        if kernel is bwd._bwd_dkdv_kernel:
-            grids.append(grid[0])
-        return real_launch(kernel, grid, args, **kw)
-
-    monkeypatch.setattr(bwd, "launch", recording)
+    grids = _dkdv_grids(monkeypatch)
     monkeypatch.setattr(bwd, "_processors", lambda device: n_sms)
     Tq, Tk, Hq, Hkv = 61, 70, 4, 1
     q, k, v, do, _ = grad_inputs(Tq, Tk, Hq, Hkv, 16, 16, torch.bfloat16, 3, False)
