@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT). Fifteenth session, last call: what the
-# Gluon kernels' epilogues cost (a scratch package whose output stores are predicated off, exported by
-# scripts/ab_export.sh and carried as "ab").
+# The runs of one device call, edited per session (logs under $OUT). As left by the sixteenth session for the
+# next one: (1) the Hopper forward whose softmax runs under its own previous P V, two ways, not yet timed:
+# "late" (1a84fb3: the query half released after the softmax, which ends its basic block) and main (the early
+# release kept, a never-taken branch ending the block), against the commit before both ("prev"); (2) two ring
+# stages at head dim 128, which store O in 16-byte runs (sm90pppm_m128_n128_w4_s2), against the default three.
+# Before the call: bash scripts/ab_export.sh 8f0f2bd prev && bash scripts/ab_export.sh 1a84fb3 late (then carry
+# "ab"). Keep the fastest of (1); bits are equal in all three (ab.py says "bitwise").
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 ab() {  # name, ab.py args...
   local name=$1; shift
-  timeout 200 python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
+  timeout 280 python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep "^| " "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-ab epilogue --cases doc128-32k,doc1024-32k,doc16-32k,causal-8k --fwd main:default --fwd noepi:default \
-  --bwd main:default --bwd noepi:default
+ab overlap --fuzz 6 --cases full-8k,causal-8k,doc16-32k,doc128-32k,swa2048-32k,full-8k-d64,causal-8k-d64,causal-32k \
+  --fwd prev:default --fwd late:default --fwd main:default
+ab stages --cases full-8k,causal-8k,doc16-32k,doc128-32k,doc1024-32k \
+  --fwd main:default --fwd main:sm90pppm_m128_n128_w4_s2

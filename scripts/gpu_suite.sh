@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU test suite in one device call (logs under $OUT), as seven pytest processes side by side.
-# machine compiling dominates (CPU-bound, 16 cores, one shared Triton cache); the groups are sized from the
-# fourteenth session's runs (the largest, the Hopper forward fuzz, took about 4 minutes).
+# The whole GPU test suite in one device call (logs under $OUT), as seven pytest processes side by side: one
+# process cannot finish it in a call on a fresh machine, where compiling dominates (CPU-bound, 16 cores, one
+# shared Triton cache). The groups are sized from the fourteenth session's runs (the largest, the Hopper
+# forward fuzz, took about 4 minutes).
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -5,7 +5,9 @@
 The launchers are called on CPU tensors with their ``launch`` stood in for: each
 records the kernel, its argument list and its warps and stages instead of
 running it. The arguments become a Triton signature (tensors by dtype, ints
-by width, the constexprs by value), and Triton's compiler builds it for an
+by width, the constexprs by value) with the divisibility hints Triton's JIT
+would give them (so masked loads and stores vectorize as on the GPU, and the
+registers reported are the GPU build's), and Triton's compiler builds it for an
 sm_90 target down to a cubin, with the ptxas it ships. So what the H200
 alone runs (TMA descriptors, the warp-specialized loop, the real tile sizes,
 the plan kernels) is built in CI. Each line gives the build's shared memory
@@ -19,10 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import time
 
 import torch
+
+# The most shared memory one block can have on sm_90 (227 KiB, with the opt-in that Triton's launcher makes).
+SM90_MAX_SHARED = 232448
 
 _TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
           torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8"}
@@ -45,6 +51,26 @@ def _signature(kernel, args):
         else:
             raise TypeError(f"{kernel.__name__}: no Triton type for argument {p.name} ({type(a).__name__})")
     return sig, consts
+
+
+def _attrs(kernel, args):
+    """The divisibility hints Triton's JIT gives a launch's arguments: 16 for pointers on a 16-byte boundary
+    and for integers that are multiples of 16 (unless the kernel says not to specialize them). Builds with
+    them are the ones the GPU runs (masked loads and stores vectorize on them), so their registers and stack
+    are the GPU's."""
+    attrs = {}
+    for i, (p, a) in enumerate(zip(kernel.params, args, strict=True)):
+        if p.is_constexpr or isinstance(a, bool):
+            continue
+        if isinstance(a, torch.Tensor):
+            aligned = a.device.type == "meta" or a.data_ptr() % 16 == 0
+        elif isinstance(a, int):
+            aligned = a % 16 == 0 and not p.do_not_specialize
+        else:
+            aligned = False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 class _Recorder:
@@ -107,6 +133,10 @@ def forward_builds():
          False, True),
         ("d128-bf16-documents-softcap-maxlogits-gluon", 128, 128, torch.bfloat16, "sm90ws_m128_n128_w4_s2",
          _docs(300, 3), 30.0, True, False),
+        ("d64-dv128-bf16-gluon-merged-tiles", 64, 128, torch.bfloat16, "sm90pppm_m128_n128_w4_s3", _docs(300, 9),
+         0.0, False, False),
+        ("d128-bf16-documents-gluon-merged-tiles-two-stages", 128, 128, torch.bfloat16, "sm90pppm_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, False),
         ("d64-fp16-one-slice-gluon", 64, 64, torch.float16, "sm90pp_m128_n128_w4_s3", [(0, 300, 0, 300, 1)],
          0.0, False, False),
         ("d128-bf16-documents-softcap-gluon-pingpong", 128, 128, torch.bfloat16, "sm90pp_m128_n128_w4_s3",
@@ -231,12 +261,13 @@ def build(kernel, args, num_warps, num_stages, maxnreg):
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
-    return triton.compile(source(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    return triton.compile(source(fn=kernel, signature=sig, constexprs=consts, attrs=_attrs(kernel, args)),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _resources(cubin):
-    """``", registers N, stack B"`` from the cuobjdump that Triton ships (the stack holds register spills), or ""."""
+def _cuobjdump(cubin, flag):
+    """The output of the cuobjdump that Triton ships on a cubin (``flag``: ``-res-usage``, ``-sass``), or None
+    where this Triton has none."""
     import subprocess
     import tempfile
 
@@ -244,15 +275,44 @@ def _resources(cubin):
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return ""
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resources(cubin):
+    """``", registers N, stack B"`` (the stack holds register spills), or ""."""
+    text = _cuobjdump(cubin, "-res-usage") or ""
     fields = dict(x.split(":", 1) for x in text.split() if x.startswith(("REG:", "STACK:")))
     if not fields:
         return ""
     return f", registers {fields.get('REG', '?')}, stack {fields.get('STACK', '?')} B"
+
+
+def softmax_under_pv(sass):
+    """For each wait for a tile's score matmul in a ping-pong Hopper forward (``WARPGROUP.DEPBAR.LE gsb0,
+    0x1``: the previous tile's ``P V`` still in flight), the row-max instructions (``FMNMX``) that run before
+    the next wait for that ``P V`` (``... 0x0``) and after it, up to the next matmul: ``[(before, after)]``.
+    The kernel means the softmax to run under the ``P V``; ptxas moves a wait to the top of its basic block,
+    which put it above the whole softmax until the kernel ended that block with a branch."""
+    lines = [x for x in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", x)]
+    counts = []
+    for i, line in enumerate(lines):
+        if "DEPBAR.LE gsb0, 0x1" not in line:
+            continue
+        before = after = 0
+        waited = False
+        for x in lines[i + 1:]:
+            if "HGMMA" in x:
+                break
+            if "DEPBAR.LE gsb0, 0x0" in x:
+                waited = True
+            elif "FMNMX" in x:
+                before, after = (before, after + 1) if waited else (before + 1, after)
+        counts.append((before, after))
+    return counts
 
 
 def main():
@@ -282,6 +342,14 @@ def main():
             try:
                 compiled = build(kernel, args, num_warps, num_stages, maxnreg)
                 assert compiled.asm.get("cubin"), "no cubin"
+                # Triton builds a kernel that needs more shared memory than a block may have; it fails at launch.
+                assert compiled.metadata.shared <= SM90_MAX_SHARED, (
+                    f"needs {compiled.metadata.shared} B of shared memory, more than sm_90's {SM90_MAX_SHARED} B")
+                if consts.get("IS_PINGPONG"):
+                    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
+                    counts = softmax_under_pv(sass) if sass is not None else []
+                    assert sass is None or (counts and all(b > a for b, a in counts)), (
+                        f"the softmax does not run under the previous P V (row max before / after its wait: {counts})")
                 print(f"ok   {name}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, "
                       f"shared memory {compiled.metadata.shared} B{_resources(compiled.asm['cubin'])})", flush=True)
             except Exception as e:  # noqa: BLE001 - every build is reported, then the run fails

@@ -674,4 +674,3 @@ def test_default_call_splits_few_kv_items_on_hopper():
     for config in (split, None):
         again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=config)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
-

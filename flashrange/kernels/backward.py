@@ -157,6 +157,12 @@ def _bwd_dkdv_kernel(
     IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # Unpadded head dims as the constant tile widths, so that column masks fold away and row loads and
+    # stores vectorize (a mask against a runtime width keeps them 2 bytes wide).
+    if not IS_D_PADDED:
+        D = BLOCK_D
+    if not IS_DV_PADDED:
+        DV = BLOCK_DV
     # Heaviest key blocks first; all heads of one block are neighbours in the grid.
     # A program owns tile pid // Hkv % SPLIT of its plan block and reads the block's window.
     pid_hk, c0, c1, s_lo, s_hi = plan_program(tl.program_id(0), Hkv, Tk, block_order_ptr, block_lo_ptr,
@@ -285,6 +291,11 @@ def _bwd_dq_kernel(
     IS_D_PADDED: tl.constexpr, IS_DV_PADDED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # Unpadded head dims as constants, as in the dK/dV kernel.
+    if not IS_D_PADDED:
+        D = BLOCK_D
+    if not IS_DV_PADDED:
+        DV = BLOCK_DV
     pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
                                              SPLIT, BLOCK_M)
     offs_m = r0 + tl.arange(0, BLOCK_M)

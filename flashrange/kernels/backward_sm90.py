@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_program, query_span,
                      slice_diagonals)
-from .sm90_common import bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, tma_load
+from .sm90_common import bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, store_rows, tma_load
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -216,7 +216,8 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
 @gluon.jit
 def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr):
+              HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
+              IS_DV_PADDED: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -249,33 +250,28 @@ def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
 
 
 @gluon.jit
-def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k: gl.constexpr, mma_v: gl.constexpr, HALF: gl.constexpr,
-                BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr):
-    """A consumer's keys ``[n0, n0 + HALF)`` of dK (scaled here) and dV."""
+def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr):
+    """A consumer's keys ``[n0, n0 + HALF)`` of dK (scaled here) and dV, in 16-byte runs (sm90_common.store_rows)."""
     dk_ptr, dv_ptr = ptrs[5], ptrs[6]
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
-    dtype: gl.constexpr = dk_ptr.dtype.element_ty
-    dk = dk * scale
-    key_k: gl.constexpr = gl.SliceLayout(1, mma_k)
-    col_k: gl.constexpr = gl.SliceLayout(0, mma_k)
-    key_v: gl.constexpr = gl.SliceLayout(1, mma_v)
-    col_v: gl.constexpr = gl.SliceLayout(0, mma_v)
+    # Unpadded head dims as the constant tile widths (as the Triton kernels do), so that the column masks
+    # fold away and the stores vectorize (a mask against a runtime width keeps them 2 bytes wide).
+    if not IS_D_PADDED:
+        D = BLOCK_D
+    if not IS_DV_PADDED:
+        DV = BLOCK_DV
     hk = pid_hk.to(gl.int64)
-    rows_k = (n0 + gl.arange(0, HALF, layout=key_k)).to(gl.int64)
-    cols_k = gl.arange(0, BLOCK_D, layout=col_k)
-    gl.store(dk_ptr + hk * stride_dkh + gl.expand_dims(rows_k * stride_dkt, 1) + gl.expand_dims(cols_k, 0),
-             dk.to(dtype), mask=gl.expand_dims(rows_k < Tk, 1) & gl.expand_dims(cols_k < D, 0))
-    rows_v = (n0 + gl.arange(0, HALF, layout=key_v)).to(gl.int64)
-    cols_v = gl.arange(0, BLOCK_DV, layout=col_v)
-    gl.store(dv_ptr + hk * stride_dvh + gl.expand_dims(rows_v * stride_dvt, 1) + gl.expand_dims(cols_v, 0),
-             dv.to(dtype), mask=gl.expand_dims(rows_v < Tk, 1) & gl.expand_dims(cols_v < DV, 0))
+    store_rows(dk_ptr + hk * stride_dkh, dk * scale, n0, Tk, stride_dkt, D, True)
+    store_rows(dv_ptr + hk * stride_dvh, dv, n0, Tk, stride_dvt, DV, True)
 
 
 @gluon.jit
 def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, J: gl.constexpr):
+                       STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
+                       IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
     """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
     returns ``it`` advanced. The K and V halves are released after their last matmul.
 
@@ -419,14 +415,14 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
             dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
         mbarrier.arrive(empty.index(p_slot), count=1)
-    _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, mma_k, mma_v, HALF, BLOCK_D, BLOCK_DV)
+    _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, BLOCK_D, BLOCK_DV, IS_D_PADDED, IS_DV_PADDED)
     return it
 
 
 @gluon.jit
 def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              IS_BY_ROWS: gl.constexpr, J: gl.constexpr):
+              IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
@@ -441,16 +437,18 @@ def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             mbarrier.wait(kv_ready.index(J), wi & 1)
             it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                                    STAGES, IS_BY_ROWS, J)
+                                    STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
             wi += 1
 
 
 @gluon.jit
 def _consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr):
+                HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
+                IS_DV_PADDED: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
-    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, IS_BY_ROWS, 1)
+    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, IS_BY_ROWS,
+              IS_D_PADDED, IS_DV_PADDED, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -508,11 +506,11 @@ def bwd_dkdv_sm90_kernel(
                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
     gl.warp_specialize([
         (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     IS_BY_ROWS, 0)),
+                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, 0)),
         (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS, IS_BY_ROWS)),
+                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED)),
         (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS, IS_BY_ROWS)),
+                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED)),
     ], [4, 1], [240, 24])
 
 
@@ -569,7 +567,8 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, pa
 @gluon.jit
 def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+                 STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
+                 IS_DV_PADDED: gl.constexpr):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Tk, Hq, G = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -627,7 +626,8 @@ def _dq_scores(qk, dp, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d
 @gluon.jit
 def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                     HAS_DLSE: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr):
+                     HAS_DLSE: gl.constexpr, STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr,
+                     IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``
     (``wi`` items before it); returns ``it`` advanced. The query half is released after its last matmul."""
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr, order_ptrs = ptrs
@@ -635,6 +635,11 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
     (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
      stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh, stride_dqt, stride_dqh, scale,
      softcap) = scalars
+    # Unpadded head dims as constants, as in _store_dkdv: the dO / O loads and dQ stores vectorize.
+    if not IS_D_PADDED:
+        D = BLOCK_D
+    if not IS_DV_PADDED:
+        DV = BLOCK_DV
     pid_h, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -736,19 +741,14 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
         mbarrier.arrive(empty.index(p_slot), count=1)
 
     dq = dq * scale
-    row_q: gl.constexpr = gl.SliceLayout(1, mma_q)
-    col_q: gl.constexpr = gl.SliceLayout(0, mma_q)
-    rows = (h0 + gl.arange(0, HALF, layout=row_q)).to(gl.int64)
-    cols = gl.arange(0, BLOCK_D, layout=col_q)
-    gl.store(dq_ptr + h * stride_dqh + gl.expand_dims(rows * stride_dqt, 1) + gl.expand_dims(cols, 0), dq.to(dtype),
-             mask=gl.expand_dims(rows < Tq, 1) & gl.expand_dims(cols < D, 0))
+    store_rows(dq_ptr + h * stride_dqh, dq, h0, Tq, stride_dqt, D, True)
     return it
 
 
 @gluon.jit
 def _dq_consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                 STAGES: gl.constexpr, J: gl.constexpr):
+                 STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Hq = scalars[0], scalars[2]
@@ -761,15 +761,17 @@ def _dq_consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr
         if w < n_work:
             work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
             it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                  HAS_SOFTCAP, HAS_DLSE, STAGES, J)
+                                  HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, J)
             wi += 1
 
 
 @gluon.jit
 def _dq_consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                   STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
-    _dq_consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES, 1)
+                   STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
+                   IS_DV_PADDED: gl.constexpr):
+    _dq_consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES,
+                 IS_D_PADDED, IS_DV_PADDED, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
@@ -817,9 +819,9 @@ def bwd_dq_sm90_kernel(
                scale, softcap)
     gl.warp_specialize([
         (_dq_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                        STAGES, 0)),
+                        STAGES, IS_D_PADDED, IS_DV_PADDED, 0)),
         (_dq_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                          STAGES, HAS_PACKED_HEADS)),
+                          STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED)),
         (_dq_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                        STAGES, HAS_PACKED_HEADS)),
+                        STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED)),
     ], [4, 1], [240, 24])

@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
-from .sm90_common import bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, tma_load, wait_tiles_landed
+from .sm90_common import (bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, store_rows, tma_load,
+                          wait_tiles_landed)
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
@@ -299,6 +300,12 @@ def _consume_tiles(
                 offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
                                                    d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                # ptxas moves a wgmma wait to the top of its basic block: in the softmax's block, the wait for
+                # P_{t-1} V_{t-1} went above the softmax, which then never ran under the P V. A branch that is
+                # never taken (n_blk counts up from 0) ends the block there.
+                if n_blk < 0:
+                    gl.inline_asm_elementwise("nanosleep.u32 0;\nmov.b32 $0, $1;", "=r,r", [n_blk], dtype=gl.int32,
+                                              is_pure=False, pack=1)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(empty.index(prev), count=1)
                 # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
@@ -387,7 +394,6 @@ def _consume_work(
                                                     instr_shape=[16, BLOCK_DV, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-    col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
     h0 = r0 + J * HALF
     offs_m = h0 + gl.arange(0, HALF, layout=row_s)
     m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
@@ -433,12 +439,11 @@ def _consume_work(
     # One reciprocal per row, not one division per element (kernels/forward.py).
     out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
     lse = gl.where(covered, (m_i + gl.log2(l_safe)) * DEV_LN2, float("-inf"))
-    offs_mo = h0 + gl.arange(0, HALF, layout=row_o)
-    offs_dv = gl.arange(0, BLOCK_DV, layout=col_o)
-    o_ptrs = (out_ptr + gl.expand_dims(offs_mo.to(gl.int64) * stride_ot, 1) + pid_h.to(gl.int64) * stride_oh
-              + gl.expand_dims(offs_dv, 0))
-    o_mask = gl.expand_dims(offs_mo < Tq, 1) & gl.expand_dims(offs_dv < DV, 0)
-    gl.store(o_ptrs, out.to(dtype), mask=o_mask)
+    # The output goes out in 16-byte runs through shared memory (sm90_common.store_rows) where the query
+    # block and the rings leave room for it; at head dim 128 they take all of it.
+    IS_O_STAGED: gl.constexpr = (BLOCK_M * (BLOCK_D + BLOCK_DV) + STAGES * BLOCK_N * (BLOCK_D + BLOCK_DV)) * 2 \
+        <= 200 * 1024
+    store_rows(out_ptr + pid_h.to(gl.int64) * stride_oh, out, h0, Tq, stride_ot, DV, IS_O_STAGED)
     mask_m = offs_m < Tq
     gl.store(lse_ptr + offs_m.to(gl.int64) * stride_lt + pid_h, lse, mask=mask_m)
     if HAS_MAX_LOGITS:

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work",
-           "packed_qkv", "tma_load", "wait_tiles_landed"]
+           "packed_qkv", "store_rows", "tma_load", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -135,6 +135,34 @@ def load_slice(slices_ptr, s):
     """Slice ``s`` of a plan's slice table: ``(qs, qe, ks, ke, type)``."""
     row = slices_ptr + s * 5
     return gl.load(row + 0), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4)
+
+
+@gluon.jit
+def store_rows(base_ptr, tile, row0, row_end, stride_row, n_cols, IS_STAGED: gl.constexpr):
+    """Store ``tile`` (``R x C``, any layout) as rows ``row0 ..`` below ``row_end`` and its first ``n_cols``
+    columns at ``base_ptr + row * stride_row + col``, in ``base_ptr``'s element type.
+
+    A matmul accumulator gives each thread two adjacent columns of a row, so a direct store of a 2-byte
+    type is 4 bytes wide and each warp instruction writes 16 bytes into each of 8 rows. With ``IS_STAGED``
+    such a tile is converted first (through shared memory, which the caller must have room for) to a
+    layout where each thread holds 16 contiguous bytes of a row: a warp writes whole 128-byte lines, with
+    a quarter of the instructions. A 4-byte type (float32 partial sums) is always stored directly: its tile
+    would need twice the shared memory, which the dK/dV kernel does not have."""
+    dtype: gl.constexpr = base_ptr.dtype.element_ty
+    ROWS: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    if IS_STAGED and dtype.primitive_bitwidth == 16:
+        VEC: gl.constexpr = 8
+        TPW_C: gl.constexpr = min(COLS // VEC, 32)
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_C, TPW_C], [gl.num_warps(), 1], [1, 0])
+        t = gl.convert_layout(tile.to(dtype), layout)
+    else:
+        layout: gl.constexpr = tile.type.layout
+        t = tile.to(dtype)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < n_cols, 0)
+    gl.store(base_ptr + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0), t, mask=mask)
 
 
 @gluon.jit
