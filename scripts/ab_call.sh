@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT). As left by the sixteenth session for the
-# next one: (1) the Hopper forward whose softmax runs under its own previous P V, two ways, not yet timed:
-# "late" (1a84fb3: the query half released after the softmax, which ends its basic block) and main (the early
-# release kept, a never-taken branch ending the block), against the commit before both ("prev"); (2) two ring
-# stages at head dim 128, which store O in 16-byte runs (sm90pppm_m128_n128_w4_s2), against the default three.
-# Before the call: bash scripts/ab_export.sh 8f0f2bd prev && bash scripts/ab_export.sh 1a84fb3 late (then carry
-# "ab"). Keep the fastest of (1); bits are equal in all three (ab.py says "bitwise").
+# The runs of one device call, edited per session (logs under $OUT). Seventeenth session: (1) the Hopper
+# forward whose softmax runs under its own previous P V, two ways: "late" (the query half released after the
+# softmax, which ends its basic block) and main (the early release kept, a never-taken branch ending the
+# block), against "prev" (neither); prev and late are main's tree with forward_sm90.py edited by hand (their
+# sixteenth-session commits were lost), exported with scripts/ab_export.sh; (2) two ring stages at head dim
+# 128, which store O in 16-byte runs (sm90pppm_m128_n128_w4_s2), against the default three. Carry "ab".
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
