@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 import time
 
@@ -135,8 +134,6 @@ def forward_builds():
          _docs(300, 3), 30.0, True, False),
         ("d64-dv128-bf16-gluon-merged-tiles", 64, 128, torch.bfloat16, "sm90pppm_m128_n128_w4_s3", _docs(300, 9),
          0.0, False, False),
-        ("d128-bf16-documents-gluon-merged-tiles-two-stages", 128, 128, torch.bfloat16, "sm90pppm_m128_n128_w4_s2",
-         _docs(300, 9), 0.0, False, False),
         ("d64-fp16-one-slice-gluon", 64, 64, torch.float16, "sm90pp_m128_n128_w4_s3", [(0, 300, 0, 300, 1)],
          0.0, False, False),
         ("d128-bf16-documents-softcap-gluon-pingpong", 128, 128, torch.bfloat16, "sm90pp_m128_n128_w4_s3",
@@ -291,30 +288,6 @@ def _resources(cubin):
     return f", registers {fields.get('REG', '?')}, stack {fields.get('STACK', '?')} B"
 
 
-def softmax_under_pv(sass):
-    """For each wait for a tile's score matmul in a ping-pong Hopper forward (``WARPGROUP.DEPBAR.LE gsb0,
-    0x1``: the previous tile's ``P V`` still in flight), the row-max instructions (``FMNMX``) that run before
-    the next wait for that ``P V`` (``... 0x0``) and after it, up to the next matmul: ``[(before, after)]``.
-    The kernel means the softmax to run under the ``P V``; ptxas moves a wait to the top of its basic block,
-    which put it above the whole softmax until the kernel ended that block with a branch."""
-    lines = [x for x in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", x)]
-    counts = []
-    for i, line in enumerate(lines):
-        if "DEPBAR.LE gsb0, 0x1" not in line:
-            continue
-        before = after = 0
-        waited = False
-        for x in lines[i + 1:]:
-            if "HGMMA" in x:
-                break
-            if "DEPBAR.LE gsb0, 0x0" in x:
-                waited = True
-            elif "FMNMX" in x:
-                before, after = (before, after + 1) if waited else (before + 1, after)
-        counts.append((before, after))
-    return counts
-
-
 def main():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("run with TRITON_INTERPRET=0: the interpreter does not build kernels")
@@ -345,11 +318,6 @@ def main():
                 # Triton builds a kernel that needs more shared memory than a block may have; it fails at launch.
                 assert compiled.metadata.shared <= SM90_MAX_SHARED, (
                     f"needs {compiled.metadata.shared} B of shared memory, more than sm_90's {SM90_MAX_SHARED} B")
-                if consts.get("IS_PINGPONG"):
-                    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
-                    counts = softmax_under_pv(sass) if sass is not None else []
-                    assert sass is None or (counts and all(b > a for b, a in counts)), (
-                        f"the softmax does not run under the previous P V (row max before / after its wait: {counts})")
                 print(f"ok   {name}: {kernel.__name__} ({time.perf_counter() - t0:.1f} s, "
                       f"shared memory {compiled.metadata.shared} B{_resources(compiled.asm['cubin'])})", flush=True)
             except Exception as e:  # noqa: BLE001 - every build is reported, then the run fails

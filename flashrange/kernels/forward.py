@@ -373,9 +373,6 @@ FWD_CONFIGS = [
               persistent=True),
     FwdConfig("sm90pppm_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True),
-    # Two ring stages: at head dim 128 this leaves room to store O in 16-byte runs (kernels/forward_sm90.py).
-    FwdConfig("sm90pppm_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
-              persistent=True, merge=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
     FwdConfig("cpu_m64_n64", 64, 64, 4, 1, merge=True),

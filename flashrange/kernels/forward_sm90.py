@@ -300,12 +300,6 @@ def _consume_tiles(
                 offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
                                                    d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
-                # ptxas moves a wgmma wait to the top of its basic block: in the softmax's block, the wait for
-                # P_{t-1} V_{t-1} went above the softmax, which then never ran under the P V. A branch that is
-                # never taken (n_blk counts up from 0) ends the block there.
-                if n_blk < 0:
-                    gl.inline_asm_elementwise("nanosleep.u32 0;\nmov.b32 $0, $1;", "=r,r", [n_blk], dtype=gl.int32,
-                                              is_pure=False, pack=1)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(empty.index(prev), count=1)
                 # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
