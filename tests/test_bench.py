@@ -341,3 +341,20 @@ def test_ab_fuzz_passes_equal_variants_and_flags_a_wrong_one(capsys, monkeypatch
     monkeypatch.setattr(ab.Variant, "prepare", off_by_one_percent)
     assert ab.main(args) == 1
     assert "!!! fuzz" in capsys.readouterr().out
+
+
+def test_trace_items_edits_apply_to_the_forward():
+    """``scripts/trace_items.py`` edits the Hopper forward's source for its clock trace: every edit still finds
+    its text in today's kernels (a changed kernel fails here, not on the GPU), and the results parse."""
+    import ast
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import trace_items
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    texts = trace_items.traced_sources(str(ROOT / "flashrange" / "kernels"))
+    assert set(texts) == {"forward.py", "forward_sm90.py"}
+    for text in texts.values():
+        ast.parse(text)
+    assert texts["forward_sm90.py"].count("_clock(") == 5 and "TRACE = None" in texts["forward.py"]
