@@ -2,7 +2,8 @@
 
     python scripts/trace_items.py --export     # here: ab/trace, HEAD's kernels with clock reads (carry "ab")
     TRITON_INTERPRET=0 PYTHONPATH=. python scripts/trace_items.py --build   # here, no GPU: build it for sm_90
-    PYTHONPATH=. python scripts/trace_items.py --cases causal-8k,doc16-32k [--out DIR]   # on the GPU
+    PYTHONPATH=. python scripts/trace_items.py --cases causal-8k,doc16-32k [--orders heavy,grouped] [--out DIR]
+                                                # on the GPU
 
 The exported copy (``ab/trace/flashrange_trace``, like ``scripts/ab_export.sh``'s) has its Gluon forward
 consumers read ``%clock`` before waiting for an item's queries, after that wait, after the item's tile loop
@@ -13,7 +14,10 @@ when the kernel no longer has the lines they expect: re-export after changing th
 
 Printed per case: the shares of the warpgroups' time in tile loops, epilogues, between items (finding the
 next item: its plan entries) and waiting for queries; then the median tile-loop cycles of single-slice items
-by tile count. ``--out`` also writes every item's clocks (``trace_<case>.json``).
+by tile count, and the median cycles per tile of longer items by round of the persistent order. ``--orders``
+also traces the same call with the plan's query blocks in other orders (``block_orders``: the outputs are the
+same bits, the memory traffic and balance are not). ``--out`` also writes every item's clocks
+(``trace_<case>_<order>.json``).
 """
 
 from __future__ import annotations
@@ -133,7 +137,24 @@ def _wrap(a, b):
     return (b - a) % (1 << 32)
 
 
-def run(cases, out_dir):
+def block_orders(heavy, block_lo, window):
+    """Orders of the plan's query blocks to trace beside the plan's own (``heavy``, heaviest first), each a
+    permutation of it; the kernels' outputs do not depend on the order, only their memory traffic and balance:
+
+    - ``grouped``: the blocks of one slice window (one document, for document masks) side by side, windows in
+      the order of their heaviest block, each window's blocks heaviest first;
+    - ``bucketed``: heavy-first cut into runs of ``window`` blocks (about what runs at once), each run in block
+      order, so that neighbouring blocks (which read the same keys) run together and the balance stays."""
+    rank = {b: i for i, b in enumerate(heavy)}
+    groups = {}
+    for b in heavy:
+        groups.setdefault(block_lo[b], []).append(b)
+    grouped = [b for g in sorted(groups.values(), key=lambda g: rank[g[0]]) for b in g]
+    bucketed = [b for i in range(0, len(heavy), window) for b in sorted(heavy[i:i + window])]
+    return {"heavy": list(heavy), "grouped": grouped, "bucketed": bucketed}
+
+
+def run(cases, orders, out_dir):
     import torch
 
     sys.path.insert(0, COPY)
@@ -155,56 +176,79 @@ def run(cases, out_dir):
             sys.exit(f"trace_items.py: {case.name} takes {config.name}, not the persistent Gluon forward (a Hopper "
                      "GPU, 2-byte dtype, head dim 64 or 128)")
         block_m = config.BLOCK_M
-        n_work = -(-case.T // block_m) * case.Hq
-        fwd.TRACE = torch.zeros(n_work * 16, dtype=torch.float32, device="cuda")
-        want = flashrange.range_attention(q, k, v, qr, kr, mt)[0]
-        for _ in range(3):  # warm, then the last call's clocks are read
-            got = fwd.range_attention_forward_triton(q, k, v, qr, kr, mt, case.D ** -0.5, 0.0, plan=plan)[0]
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), f"{case.name}: the traced copy's output differs from flashrange's"
-        rec = fwd.TRACE.view(torch.int32).cpu().view(n_work, 2, 8).tolist()
-        order, lo, hi = plan.q_block_order.tolist(), plan.q_block_lo.tolist(), plan.q_block_hi.tolist()
-        slices = plan.q_slices.tolist()
         split = PLAN_BLOCK // block_m
-        items = []
-        for w in range(n_work):
-            rank = w // case.Hq
-            block = order[rank // split]
-            r0 = (block * split + rank % split) * block_m
-            n_slices = sum(1 for s in slices[lo[block]:hi[block]] if s[4] >= 0 and s[0] < r0 + block_m and s[1] > r0)
-            for j in range(2):
-                t = [x & 0xFFFFFFFF for x in rec[w][j]]
-                items.append(dict(w=w, j=j, wait=t[0], start=t[1], loop=t[2], end=t[3], tiles=rec[w][j][4],
-                                  pid=rec[w][j][5], sm=rec[w][j][6], slices=n_slices))
-        by_wg = {}
-        for it in items:
-            by_wg.setdefault((it["pid"], it["j"]), []).append(it)
-        tot = dict(span=0, qwait=0, loop=0, epi=0, gap=0)
-        for seq in by_wg.values():
-            seq.sort(key=lambda it: it["w"])
-            tot["span"] += _wrap(seq[0]["wait"], seq[-1]["end"])
-            for i, it in enumerate(seq):
-                tot["qwait"] += _wrap(it["wait"], it["start"])
-                tot["loop"] += _wrap(it["start"], it["loop"])
-                tot["epi"] += _wrap(it["loop"], it["end"])
-                if i:
-                    tot["gap"] += _wrap(seq[i - 1]["end"], it["wait"])
-        n_items = len(items)
-        share = {key: f"{100 * tot[key] / tot['span']:.1f}%" for key in ("loop", "epi", "gap", "qwait")}
-        print(f"{case.name}: {n_items / len(by_wg):.1f} items per warpgroup, "
-              f"{sum(it['tiles'] for it in items) / n_items:.2f} tiles per item; tile loops {share['loop']}, "
-              f"epilogues {share['epi']}, between items {share['gap']}, query wait {share['qwait']}; "
-              f"epilogue {tot['epi'] / n_items:.0f} cycles per item")
-        loops = {}
-        for it in items:
-            if it["slices"] == 1:
-                loops.setdefault(it["tiles"], []).append(_wrap(it["start"], it["loop"]))
-        print("  single-slice tile loops, median cycles by tiles: "
-              + ", ".join(f"{n}: {statistics.median(v):.0f}" for n, v in sorted(loops.items()) if len(v) >= 8))
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, f"trace_{case.name}.json"), "w") as f:
-                json.dump(items, f)
+        n_work = -(-case.T // block_m) * case.Hq
+        want = flashrange.range_attention(q, k, v, qr, kr, mt)[0]
+        lo, hi = plan.q_block_lo.tolist(), plan.q_block_hi.tolist()
+        slices = plan.q_slices.tolist()
+        # Blocks running at once: one work item per SM, the heads of a block side by side.
+        window = max(1, torch.cuda.get_device_properties(0).multi_processor_count // (case.Hq * split))
+        all_orders = block_orders(plan.q_block_order.tolist(), lo, window)
+        for order_name in orders:
+            order = all_orders[order_name]
+            traced = plan._replace(q_block_order=torch.tensor(order, dtype=plan.q_block_order.dtype,
+                                                              device=plan.q_block_order.device))
+            fwd.TRACE = torch.zeros(n_work * 16, dtype=torch.float32, device="cuda")
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            for i in range(4):  # warm, then the last call's clocks are read and its time taken
+                if i == 3:
+                    events[0].record()
+                got = fwd.range_attention_forward_triton(q, k, v, qr, kr, mt, case.D ** -0.5, 0.0, plan=traced)[0]
+            events[1].record()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"{case.name}: the traced copy's output differs from flashrange's"
+            _report(case, order_name, order, events[0].elapsed_time(events[1]), fwd.TRACE, n_work, lo, hi, slices,
+                    split, block_m, out_dir)
+
+
+def _report(case, order_name, order, ms, trace, n_work, lo, hi, slices, split, block_m, out_dir):
+    import torch
+
+    rec = trace.view(torch.int32).cpu().view(n_work, 2, 8).tolist()
+    items = []
+    for w in range(n_work):
+        rank = w // case.Hq
+        block = order[rank // split]
+        r0 = (block * split + rank % split) * block_m
+        n_slices = sum(1 for s in slices[lo[block]:hi[block]] if s[4] >= 0 and s[0] < r0 + block_m and s[1] > r0)
+        for j in range(2):
+            t = [x & 0xFFFFFFFF for x in rec[w][j]]
+            items.append(dict(w=w, j=j, wait=t[0], start=t[1], loop=t[2], end=t[3], tiles=rec[w][j][4],
+                              pid=rec[w][j][5], sm=rec[w][j][6], slices=n_slices))
+    by_wg = {}
+    for it in items:
+        by_wg.setdefault((it["pid"], it["j"]), []).append(it)
+    tot = dict(span=0, qwait=0, loop=0, epi=0, gap=0)
+    by_round = {}
+    for seq in by_wg.values():
+        seq.sort(key=lambda it: it["w"])
+        tot["span"] += _wrap(seq[0]["wait"], seq[-1]["end"])
+        for i, it in enumerate(seq):
+            tot["qwait"] += _wrap(it["wait"], it["start"])
+            tot["loop"] += _wrap(it["start"], it["loop"])
+            tot["epi"] += _wrap(it["loop"], it["end"])
+            if i:
+                tot["gap"] += _wrap(seq[i - 1]["end"], it["wait"])
+            if it["tiles"] >= 6:
+                by_round.setdefault(i, []).append(_wrap(it["start"], it["loop"]) / it["tiles"])
+    n_items = len(items)
+    share = {key: f"{100 * tot[key] / tot['span']:.1f}%" for key in ("loop", "epi", "gap", "qwait")}
+    print(f"{case.name} [{order_name} order] {ms:.3f} ms (traced): {n_items / len(by_wg):.1f} items per "
+          f"warpgroup, {sum(it['tiles'] for it in items) / n_items:.2f} tiles per item; tile loops {share['loop']}, "
+          f"epilogues {share['epi']}, between items {share['gap']}, query wait {share['qwait']}; epilogue "
+          f"{tot['epi'] / n_items:.0f} cycles per item")
+    loops = {}
+    for it in items:
+        if it["slices"] == 1:
+            loops.setdefault(it["tiles"], []).append(_wrap(it["start"], it["loop"]))
+    print("  single-slice tile loops, median cycles by tiles: "
+          + ", ".join(f"{n}: {statistics.median(v):.0f}" for n, v in sorted(loops.items()) if len(v) >= 8))
+    print("  items of 6+ tiles, median cycles per tile by round: "
+          + ", ".join(f"{r}: {statistics.median(v):.0f}" for r, v in sorted(by_round.items()) if len(v) >= 8))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"trace_{case.name}_{order_name}.json"), "w") as f:
+            json.dump(items, f)
 
 
 def main(argv=None):
@@ -212,6 +256,8 @@ def main(argv=None):
     ap.add_argument("--export", action="store_true", help="write the traced copy under ab/trace (from HEAD)")
     ap.add_argument("--build", action="store_true", help="build the traced copy for sm_90 (no GPU needed)")
     ap.add_argument("--cases", default="causal-8k,full-8k,doc16-32k,doc128-32k,doc1024-32k,swa2048-32k")
+    ap.add_argument("--orders", default="heavy", help="block orders to trace, from heavy (the plan's), grouped, "
+                    "bucketed (see block_orders)")
     ap.add_argument("--out", default=None, help="also write every item's clocks here")
     args = ap.parse_args(argv)
     if args.export:
@@ -221,7 +267,7 @@ def main(argv=None):
     else:
         if not os.path.isdir(KERNELS):
             sys.exit("trace_items.py: no traced copy; run it with --export first (here) and carry ab")
-        run(args.cases, args.out)
+        run(args.cases, args.orders.split(","), args.out)
 
 
 if __name__ == "__main__":

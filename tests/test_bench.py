@@ -358,3 +358,21 @@ def test_trace_items_edits_apply_to_the_forward():
     for text in texts.values():
         ast.parse(text)
     assert texts["forward_sm90.py"].count("_clock(") == 5 and "TRACE = None" in texts["forward.py"]
+
+
+def test_trace_items_block_orders_are_permutations():
+    """The block orders ``scripts/trace_items.py`` traces beside the plan's: permutations of it that keep a
+    window's blocks together (grouped) or sort heavy-first runs by block (bucketed)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import trace_items
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    heavy = [7, 3, 6, 2, 5, 1, 4, 0]
+    block_lo = [0, 0, 0, 0, 4, 4, 4, 4]  # blocks 0-3 in one window, 4-7 in another
+    orders = trace_items.block_orders(heavy, block_lo, window=3)
+    assert orders["heavy"] == heavy
+    assert orders["grouped"] == [7, 6, 5, 4, 3, 2, 1, 0]
+    assert orders["bucketed"] == [3, 6, 7, 1, 2, 5, 0, 4]
+    for order in orders.values():
+        assert sorted(order) == sorted(heavy)
