@@ -11,6 +11,7 @@ FlashAttention ``cu_seqlens`` / ``window_size``).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -315,13 +316,17 @@ def test_host_sync_report_ignores_the_prototype_notice(monkeypatch):
     assert runner._host_syncs(syncing) == ["called a synchronizing CUDA operation"]
 
 
-def _ab_main():
+def _script(name):
+    """The module of ``scripts/<name>.py``."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import ab
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    return ab
+
+
+def _ab_main():
+    return _script("ab")
 
 
 def test_ab_fuzz_passes_equal_variants_and_flags_a_wrong_one(capsys, monkeypatch):
@@ -348,11 +353,7 @@ def test_trace_items_edits_apply_to_the_forward():
     its text in today's kernels (a changed kernel fails here, not on the GPU), and the results parse."""
     import ast
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import trace_items
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    trace_items = _script("trace_items")
     texts = trace_items.traced_sources(str(ROOT / "flashrange" / "kernels"))
     assert set(texts) == {"forward.py", "forward_sm90.py"}
     for text in texts.values():
@@ -363,11 +364,7 @@ def test_trace_items_edits_apply_to_the_forward():
 def test_trace_items_block_orders_are_permutations():
     """The block orders ``scripts/trace_items.py`` traces beside the plan's: permutations of it that keep a
     window's blocks together (grouped) or sort heavy-first runs by block (bucketed)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import trace_items
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    trace_items = _script("trace_items")
     heavy = [7, 3, 6, 2, 5, 1, 4, 0]
     block_lo = [0, 0, 0, 0, 4, 4, 4, 4]  # blocks 0-3 in one window, 4-7 in another
     orders = trace_items.block_orders(heavy, block_lo, window=3)
