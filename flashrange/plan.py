@@ -28,7 +28,12 @@ queries (query-major) or keys (key-major):
   parent block's window.
 - ``block_order`` ``(n_blocks,)`` int32: the blocks, heaviest first (the
   estimated number of covered cells), so that long programs start first and
-  the tail of the grid is made of short ones (longest-processing-time order).
+  the tail of the grid is made of short ones (longest-processing-time order),
+  with the blocks of one window start kept together: groups of equal
+  ``block_lo`` (one document each, for document masks) by their heaviest
+  block's work (ties: lower ``block_lo`` first), each group's blocks heaviest
+  first (ties: lower block first). Blocks of one document read the same keys,
+  so running them side by side keeps those keys in L2.
 """
 
 from __future__ import annotations
@@ -261,7 +266,7 @@ def build_block_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BL
 
     seg_a, seg_b = _segments(me - ms, ne - ns, types, transpose)
     work = _block_work(ms, [seg_a, seg_b], valid, T, n_blocks, block)
-    block_order = torch.sort(-work, stable=True).indices
+    block_order = _block_order(work, block_lo, slices.shape[0])
 
     return BlockPlan(
         slices.to(torch.int32).contiguous(),
@@ -269,6 +274,20 @@ def build_block_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BL
         block_hi.to(torch.int32),
         block_order.to(torch.int32),
     )
+
+
+def _block_order(work, block_lo, S):
+    """The blocks in the order of ``block_order`` (module docstring): by (group's heaviest block's work
+    descending, ``block_lo``, own work descending, block index).
+
+    A group is the blocks of one window start (one document of a document mask): contiguous, since
+    ``block_lo`` never decreases. Stable sorts, the least significant key first."""
+    group_max = torch.zeros(S + 1, dtype=work.dtype, device=work.device)
+    group_max = group_max.scatter_reduce(0, block_lo, work, reduce="amax", include_self=True)
+    group_work = group_max.gather(0, block_lo)
+    order = torch.sort(-work, stable=True).indices
+    order = order.gather(0, torch.sort(block_lo.gather(0, order), stable=True).indices)
+    return order.gather(0, torch.sort(-group_work.gather(0, order), stable=True).indices)
 
 
 def build_plan_torch(q_ranges, k_ranges, mask_types, Tq, Tk):

@@ -98,7 +98,8 @@ def test_canonical_order_ignores_permutation_and_padding(transpose, backend):
 @pytest.mark.parametrize("transpose", [False, True], ids=["q-major", "k-major"])
 @pytest.mark.parametrize("mtype", [0, 1, 2], ids=["full", "causal", "inv-causal"])
 def test_heaviest_blocks_first(mtype, transpose):
-    """The work estimate is the exact covered-cell count per block for these types."""
+    """The work estimate is the exact covered-cell count per block for these types; blocks of one window
+    start stay together, groups by their heaviest block."""
     qr = torch.tensor([[3, 70], [70, 101], [0, 5]], dtype=torch.int32)
     kr = torch.tensor([[0, 90], [10, 40], [50, 120]], dtype=torch.int32)
     mt = torch.full((3,), mtype, dtype=torch.int32)
@@ -110,8 +111,43 @@ def test_heaviest_blocks_first(mtype, transpose):
     work = torch.zeros(n * block, dtype=torch.int64)
     work[: per_pos.shape[0]] = per_pos
     work = work.view(n, block).sum(1)
-    expected = torch.sort(-work, stable=True).indices.to(torch.int32)
-    assert torch.equal(plan.block_order, expected)
+    lo = plan.block_lo.tolist()
+    group_work = {g: max(int(w) for w, l in zip(work, lo) if l == g) for g in lo}
+    expected = sorted(range(n), key=lambda b: (-group_work[lo[b]], lo[b], -int(work[b]), b))
+    assert plan.block_order.tolist() == expected
+
+
+def _packed(lengths, mtype):
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    ranges = torch.tensor([[s, s + n] for s, n in zip(starts, lengths)], dtype=torch.int32)
+    return ranges, ranges.clone(), torch.full((len(lengths),), mtype, dtype=torch.int32), sum(lengths)
+
+
+# Causal documents of 4, 2 and 4 blocks (16 tokens each), in that order:
+#   doc 0: blocks 0-3 | doc 1: blocks 4-5 | doc 2: blocks 6-9
+# Each document's last block is its heaviest; documents 0 and 2 tie (the earlier first), document 1 last.
+_DOCS_ORDER = [3, 2, 1, 0, 9, 8, 7, 6, 5, 4]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transpose", [False, True], ids=["q-major", "k-major"])
+def test_documents_run_together(transpose, backend):
+    qr, kr, mt, T = _packed([64, 32, 64], CAUSAL)
+    plan = build_plan(qr, kr, mt, T, T, 16, transpose=transpose, backend=backend)
+    # Key-major, a causal document's first key block is read by every query: heaviest first.
+    expected = _DOCS_ORDER if not transpose else [0, 1, 2, 3, 6, 7, 8, 9, 4, 5]
+    assert plan.block_order.tolist() == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_documents_order_past_one_scan_tile(backend):
+    """More blocks than the block scan's tile (1024): the group maximum carries across tiles."""
+    lengths = [16 * 300, 16 * 500, 16 * 700]
+    qr, kr, mt, T = _packed(lengths, CAUSAL)
+    plan = build_plan(qr, kr, mt, T, T, 16, backend=backend)
+    firsts = [0, 300, 800]
+    expected = [b for d in (2, 1, 0) for b in range(firsts[d] + lengths[d] // 16 - 1, firsts[d] - 1, -1)]
+    assert plan.block_order.tolist() == expected
 
 
 def test_triton_plan_equals_torch_plan_fuzz():

@@ -31,9 +31,11 @@ masks, padding), and ``O(S log^2 S)`` otherwise. The pieces:
   prefix sum of the start counts (valid slices come first, sorted by start),
   the work a prefix sum of the difference terms, and ``block_lo`` a suffix
   minimum of the first slices ending after the block's start (the first slice
-  whose running maximum end passes it), capped by ``block_hi``. Then each
-  block's place in ``block_order`` is the count of blocks with more work (or
-  equal work and a smaller index).
+  whose running maximum end passes it), capped by ``block_hi``; then each
+  block's group work (the most work among the blocks of its ``block_lo``, a
+  contiguous run) from a segmented running maximum down and one up. Each
+  block's place in ``block_order`` is the count of blocks that precede it in
+  (group work descending, ``block_lo``, work descending, index) order.
 
 Launches: a count of each chunk's valid slots (which also initializes the
 accumulators), the partition, one per merge level, the block scan and the
@@ -303,13 +305,38 @@ def _min_combine(a, b):
 
 
 @triton.jit
+def _group_max_combine(lo_a, w_a, lo_b, w_b):
+    # A maximum that restarts where block_lo changes. Associative because block_lo is monotone along
+    # the scan: equal values form one contiguous run.
+    return lo_b, tl.where(lo_a == lo_b, tl.maximum(w_a, w_b), w_b)
+
+
+@triton.jit
+def _group_max_tile(lo, w, mask, carry_lo, carry_w, IS_REVERSED: tl.constexpr):
+    """Running group maximum over one tile of the scan, continued from the previous tile's carry."""
+    lo = tl.where(mask, lo, -1)
+    _, run = tl.associative_scan((lo, w), 0, _group_max_combine)
+    run = tl.where(lo == carry_lo, tl.maximum(run, carry_w), run)
+    # The tile's last valid lane carries on: the largest block_lo ascending, the smallest descending.
+    if IS_REVERSED:
+        last_lo = tl.min(tl.where(mask, lo, _NO_SLICE), axis=0)
+    else:
+        last_lo = tl.max(lo, axis=0)
+    last_w = tl.max(tl.where(mask & (lo == last_lo), run, -1), axis=0)
+    return run, last_lo, last_w
+
+
+@triton.jit
 def _scan_blocks(first_ptr, starts_ptr, point_ptr, dc_ptr, dl_ptr, lo_ptr, hi_ptr, n_blocks, BLOCK_N: tl.constexpr):
-    """One program: ``block_hi``, ``block_lo`` and the work (written over ``point``) of every block.
+    """One program: ``block_hi``, ``block_lo``, the work (written over ``point``) and the group work
+    (written over ``dc``) of every block.
 
     ``block_hi[b]``: valid slices starting in blocks ``<= b`` (valid slices come
     first, sorted by start). Work: ``point + prefix(dc) + b * prefix(dl)``.
     ``block_lo[b]``: the first slice of the end blocks after ``b`` (``first``
     has ``n_blocks + 1`` entries), a suffix minimum, capped by ``block_hi``.
+    Group work: the largest work among the blocks of equal ``block_lo`` (a
+    contiguous run), from a running maximum down and one up.
     The accumulators were written by atomics, so they are read past L1 (``.cg``).
     """
     carry_h = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0)
@@ -330,8 +357,11 @@ def _scan_blocks(first_ptr, starts_ptr, point_ptr, dc_ptr, dl_ptr, lo_ptr, hi_pt
         carry_c += tl.sum(dc, axis=0)
         carry_l += tl.sum(dl, axis=0)
     tl.debug_barrier()
-    # Blocks from the last one down: a running minimum of first[b + 1].
+    # Blocks from the last one down: a running minimum of first[b + 1], and the group maximum of the
+    # blocks after b (kept in dc, free once the work is summed).
     carry_m = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), axis=0) + _NO_SLICE
+    carry_lo = carry_m * 0 - 2
+    carry_w = carry_c * 0 - 1
     for t0 in range(0, n_blocks, BLOCK_N):
         offs_b = n_blocks - 1 - (t0 + tl.arange(0, BLOCK_N))
         mask_b = offs_b >= 0
@@ -339,22 +369,45 @@ def _scan_blocks(first_ptr, starts_ptr, point_ptr, dc_ptr, dl_ptr, lo_ptr, hi_pt
         lo = tl.minimum(tl.associative_scan(nxt, 0, _min_combine), carry_m)
         carry_m = tl.minimum(carry_m, tl.min(nxt, axis=0))
         hi = tl.load(hi_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")
-        tl.store(lo_ptr + offs_b, tl.minimum(lo, hi), mask=mask_b)
+        lo = tl.minimum(lo, hi)
+        tl.store(lo_ptr + offs_b, lo, mask=mask_b)
+        work = tl.load(point_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")
+        run, carry_lo, carry_w = _group_max_tile(lo, work, mask_b, carry_lo, carry_w, True)
+        tl.store(dc_ptr + offs_b, run, mask=mask_b)
+    tl.debug_barrier()
+    # And up: the group maximum of the blocks before b; with the one after, the whole group's.
+    carry_lo = carry_m * 0 - 2
+    carry_w = carry_c * 0 - 1
+    for t0 in range(0, n_blocks, BLOCK_N):
+        offs_b = t0 + tl.arange(0, BLOCK_N)
+        mask_b = offs_b < n_blocks
+        lo = tl.load(lo_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")
+        work = tl.load(point_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")
+        after = tl.load(dc_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")
+        run, carry_lo, carry_w = _group_max_tile(lo, work, mask_b, carry_lo, carry_w, False)
+        tl.store(dc_ptr + offs_b, tl.maximum(run, after), mask=mask_b)
 
 
 @triton.jit
-def _order_tile(work_ptr, order_ptr, pid, n_blocks, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Places in ``block_order`` of blocks ``[pid * BLOCK_B, (pid + 1) * BLOCK_B)``: by counting."""
+def _order_tile(work_ptr, group_ptr, lo_ptr, order_ptr, pid, n_blocks, BLOCK_B: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """Places in ``block_order`` of blocks ``[pid * BLOCK_B, (pid + 1) * BLOCK_B)``: by counting the
+    blocks before each in (group work descending, ``block_lo``, work descending, block) order."""
     offs_b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < n_blocks
-    w = tl.load(work_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")
+    w = tl.load(work_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")[:, None]
+    g = tl.load(group_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")[:, None]
+    lo = tl.load(lo_ptr + offs_b, mask=mask_b, other=0, cache_modifier=".cg")[:, None]
     rank = tl.zeros([BLOCK_B], dtype=tl.int32)
     for t0 in range(0, n_blocks, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < n_blocks
-        wt = tl.load(work_ptr + offs_t, mask=mask_t, other=0, cache_modifier=".cg")
-        # Heaviest first; equal work keeps block order (a stable sort).
-        before = (wt[None, :] > w[:, None]) | ((wt[None, :] == w[:, None]) & (offs_t[None, :] < offs_b[:, None]))
+        wt = tl.load(work_ptr + offs_t, mask=mask_t, other=0, cache_modifier=".cg")[None, :]
+        gt = tl.load(group_ptr + offs_t, mask=mask_t, other=0, cache_modifier=".cg")[None, :]
+        lot = tl.load(lo_ptr + offs_t, mask=mask_t, other=0, cache_modifier=".cg")[None, :]
+        same_group = (gt == g) & (lot == lo)
+        before = (gt > g) | ((gt == g) & (lot < lo)) | (same_group & (wt > w))
+        before = before | (same_group & (wt == w) & (offs_t[None, :] < offs_b[:, None]))
         rank += tl.sum((before & mask_t[None, :]).to(tl.int32), axis=1)
     tl.store(order_ptr + rank, offs_b, mask=mask_b)
 
@@ -395,7 +448,7 @@ def _small_half(qr_ptr, kr_ptr, mt_ptr, out_ptr, lo_ptr, hi_ptr, order_ptr, ws_p
         _scan_blocks(first, starts, point, dc, dl, lo_ptr, hi_ptr, n_blocks, BLOCK_N)
         tl.debug_barrier()
         for b0 in range(0, n_blocks, BLOCK_B):
-            _order_tile(point, order_ptr, b0 // BLOCK_B, n_blocks, BLOCK_B, BLOCK_N)
+            _order_tile(point, dc, lo_ptr, order_ptr, b0 // BLOCK_B, n_blocks, BLOCK_B, BLOCK_N)
 
 
 # Slice counts and lengths change between calls; specializing on their values
@@ -647,15 +700,16 @@ def _scan_blocks_kernel(q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, ws_ptr, nq, nk, 
 
 
 @triton.jit(do_not_specialize=["nq", "nk"])
-def _order_blocks_kernel(q_order_ptr, k_order_ptr, ws_ptr, nq, nk, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+def _order_blocks_kernel(q_lo_ptr, q_order_ptr, k_lo_ptr, k_order_ptr, ws_ptr, nq, nk, BLOCK_B: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
     """Grid ``(cdiv(max(nq, nk), BLOCK_B), 2)``: places in ``block_order`` (axis 1 picks the half)."""
     pid = tl.program_id(0)
     if tl.program_id(1) == 0:
-        first, starts, work, dc, dl = _block_arrays(ws_ptr, nq, nk, False)
-        _order_tile(work, q_order_ptr, pid, nq, BLOCK_B, BLOCK_T)
+        first, starts, work, group, dl = _block_arrays(ws_ptr, nq, nk, False)
+        _order_tile(work, group, q_lo_ptr, q_order_ptr, pid, nq, BLOCK_B, BLOCK_T)
     else:
-        first, starts, work, dc, dl = _block_arrays(ws_ptr, nq, nk, True)
-        _order_tile(work, k_order_ptr, pid, nk, BLOCK_B, BLOCK_T)
+        first, starts, work, group, dl = _block_arrays(ws_ptr, nq, nk, True)
+        _order_tile(work, group, k_lo_ptr, k_order_ptr, pid, nk, BLOCK_B, BLOCK_T)
 
 
 def _merge_levels(S):
@@ -726,7 +780,7 @@ def _launch_blocks(plan, ws, nq, nk):
     launch(_scan_blocks_kernel, (2,), (plan.q_block_lo, plan.q_block_hi, plan.k_block_lo, plan.k_block_hi, ws,
                                        nq, nk, 1024))
     launch(_order_blocks_kernel, (triton.cdiv(max(nq, nk), 16), 2),
-           (plan.q_block_order, plan.k_block_order, ws, nq, nk, 16, 128))
+           (plan.q_block_lo, plan.q_block_order, plan.k_block_lo, plan.k_block_order, ws, nq, nk, 16, 128))
 
 
 def build_block_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK, *, transpose=False):
