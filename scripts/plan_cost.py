@@ -2,6 +2,8 @@
 
     python scripts/plan_cost.py               (CUDA required; well under a minute)
     python scripts/plan_cost.py --profile     (also the per-kernel table of each case)
+    python scripts/plan_cost.py --against prev  (also the graph time of ab/prev's plan builder, for A/B;
+                                                 "equal" then also checks its plan)
 
 Per case: the Triton plan is compared with ``build_plan_torch`` (bitwise),
 then timed with CUDA events: the median over many eager calls (the host's
@@ -84,6 +86,21 @@ def cases():
     ]
 
 
+def _graph_of(fn):
+    """A CUDA graph that replays ``fn`` (warmed on a side stream first, as capture needs), and its output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def _events_median(fn, reps):
     times = []
     for _ in range(reps):
@@ -101,12 +118,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="print each case's per-kernel CUDA time")
+    parser.add_argument("--against", metavar="NAME", help="also replay the plan builder of the copy in ab/NAME "
+                        "(scripts/ab_export.sh) in a CUDA graph, beside this checkout's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("plan_cost.py needs CUDA")
     import flashrange
     from flashrange.plan import build_plan_torch
 
+    other = None
+    if args.against:
+        import importlib
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ab" / args.against))
+        other = importlib.import_module(f"flashrange_{args.against}.kernels.plan").build_plan
     dev = torch.device("cuda")
     rows = []
     for name, T, (qr, kr, mt) in cases():
@@ -127,20 +152,17 @@ def main():
             call()
         host = (time.perf_counter() - t0) / args.reps * 1e6
         torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = call()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, captured = _graph_of(call)
         same = same and all(torch.equal(x, y) for x, y in zip(captured, want))
         replay = _events_median(graph.replay, args.reps)
+        replay_other = float("nan")
+        if other is not None:
+            graph_other, captured_other = _graph_of(lambda: other(qr, kr, mt, T, T))
+            same = same and all(torch.equal(x, y) for x, y in zip(captured_other, want))
+            replay_other = _events_median(graph_other.replay, args.reps)
+            del graph_other
         n_valid = int(((qr[:, 1] > qr[:, 0]) & (kr[:, 1] > kr[:, 0])).sum())
-        rows.append((name, T, mt.shape[0], n_valid, eager, replay, host, same))
+        rows.append((name, T, mt.shape[0], n_valid, eager, replay, replay_other, host, same))
         print(f"done: {name}", file=sys.stderr, flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -153,10 +175,12 @@ def main():
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
         del graph, captured
     print()
+    against = f"{args.against} graph us" if args.against else ""
     print(f"{'mask':34s} {'T':>7s} {'slots':>7s} {'valid':>7s} {'eager GPU us':>13s} {'graph us':>9s} "
-          f"{'host us':>8s}  equal")
-    for name, T, S, n_valid, eager, replay, host, same in rows:
-        print(f"{name:34s} {T:7d} {S:7d} {n_valid:7d} {eager:13.1f} {replay:9.1f} {host:8.1f}  "
+          f"{against:>{len(against)}s} {'host us':>8s}  equal")
+    for name, T, S, n_valid, eager, replay, replay_other, host, same in rows:
+        other_col = f"{replay_other:{len(against)}.1f}" if args.against else ""
+        print(f"{name:34s} {T:7d} {S:7d} {n_valid:7d} {eager:13.1f} {replay:9.1f} {other_col} {host:8.1f}  "
               f"{'yes' if same else 'NO'}")
     if not all(r[-1] for r in rows):
         sys.exit(1)
