@@ -2,7 +2,7 @@
 
     python scripts/trace_items.py --export     # here: ab/trace, HEAD's kernels with clock reads (carry "ab")
     TRITON_INTERPRET=0 PYTHONPATH=. python scripts/trace_items.py --build   # here, no GPU: build it for sm_90
-    PYTHONPATH=. python scripts/trace_items.py --cases causal-8k,doc16-32k [--orders heavy,grouped] [--out DIR]
+    PYTHONPATH=. python scripts/trace_items.py --cases causal-8k,doc16-32k [--orders plan,bucketed] [--out DIR]
                                                 # on the GPU
 
 The exported copy (``ab/trace/flashrange_trace``, like ``scripts/ab_export.sh``'s) has its Gluon forward
@@ -137,21 +137,23 @@ def _wrap(a, b):
     return (b - a) % (1 << 32)
 
 
-def block_orders(heavy, block_lo, window):
-    """Orders of the plan's query blocks to trace beside the plan's own (``heavy``, heaviest first), each a
-    permutation of it; the kernels' outputs do not depend on the order, only their memory traffic and balance:
+def block_orders(plan_order, block_lo, window):
+    """Orders of the plan's query blocks to trace beside the plan's own (``plan``), each a permutation of it;
+    the kernels' outputs do not depend on the order, only their memory traffic and balance (``grouped`` is
+    the plan's own order since the plan keeps each window's blocks together; it was traced against the
+    plain heavy-first order of earlier plans):
 
     - ``grouped``: the blocks of one slice window (one document, for document masks) side by side, windows in
-      the order of their heaviest block, each window's blocks heaviest first;
-    - ``bucketed``: heavy-first cut into runs of ``window`` blocks (about what runs at once), each run in block
+      the plan's order of their first block, each window's blocks in the plan's order;
+    - ``bucketed``: the plan's order cut into runs of ``window`` blocks (about what runs at once), each run in block
       order, so that neighbouring blocks (which read the same keys) run together and the balance stays."""
-    rank = {b: i for i, b in enumerate(heavy)}
+    rank = {b: i for i, b in enumerate(plan_order)}
     groups = {}
-    for b in heavy:
+    for b in plan_order:
         groups.setdefault(block_lo[b], []).append(b)
     grouped = [b for g in sorted(groups.values(), key=lambda g: rank[g[0]]) for b in g]
-    bucketed = [b for i in range(0, len(heavy), window) for b in sorted(heavy[i:i + window])]
-    return {"heavy": list(heavy), "grouped": grouped, "bucketed": bucketed}
+    bucketed = [b for i in range(0, len(plan_order), window) for b in sorted(plan_order[i:i + window])]
+    return {"plan": list(plan_order), "grouped": grouped, "bucketed": bucketed}
 
 
 def run(cases, orders, out_dir):
@@ -256,7 +258,7 @@ def main(argv=None):
     ap.add_argument("--export", action="store_true", help="write the traced copy under ab/trace (from HEAD)")
     ap.add_argument("--build", action="store_true", help="build the traced copy for sm_90 (no GPU needed)")
     ap.add_argument("--cases", default="causal-8k,full-8k,doc16-32k,doc128-32k,doc1024-32k,swa2048-32k")
-    ap.add_argument("--orders", default="heavy", help="block orders to trace, from heavy (the plan's), grouped, "
+    ap.add_argument("--orders", default="plan", help="block orders to trace, from plan (the plan's own), grouped, "
                     "bucketed (see block_orders)")
     ap.add_argument("--out", default=None, help="also write every item's clocks here")
     args = ap.parse_args(argv)

@@ -363,13 +363,13 @@ def test_trace_items_edits_apply_to_the_forward():
 
 def test_trace_items_block_orders_are_permutations():
     """The block orders ``scripts/trace_items.py`` traces beside the plan's: permutations of it that keep a
-    window's blocks together (grouped) or sort heavy-first runs by block (bucketed)."""
+    window's blocks together (grouped) or sort runs of the plan's order by block (bucketed)."""
     trace_items = _script("trace_items")
-    heavy = [7, 3, 6, 2, 5, 1, 4, 0]
+    plan_order = [7, 3, 6, 2, 5, 1, 4, 0]  # heavy-first across two windows, as plans before grouping
     block_lo = [0, 0, 0, 0, 4, 4, 4, 4]  # blocks 0-3 in one window, 4-7 in another
-    orders = trace_items.block_orders(heavy, block_lo, window=3)
-    assert orders["heavy"] == heavy
+    orders = trace_items.block_orders(plan_order, block_lo, window=3)
+    assert orders["plan"] == plan_order
     assert orders["grouped"] == [7, 6, 5, 4, 3, 2, 1, 0]
     assert orders["bucketed"] == [3, 6, 7, 1, 2, 5, 0, 4]
     for order in orders.values():
-        assert sorted(order) == sorted(heavy)
+        assert sorted(order) == sorted(plan_order)
