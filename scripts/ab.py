@@ -5,7 +5,7 @@
 
 A variant is ``PACKAGE:CONFIG``. ``PACKAGE`` is ``main`` (the checked-out flashrange) or a name exported by
 ``scripts/ab_export.sh REF NAME`` (carry ``ab``). ``CONFIG`` is ``default``, a forward config's name, or a
-backward config as ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags from ``dkdv+dq+persistent+chunksN`` or
+backward config as ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags from ``dkdv+dq+persistent+dynamic+chunksN`` or
 ``fused``.
 
 First, correctness: with ``--fuzz N``, each variant on N random small masks (every type, overlaps, empty
@@ -50,12 +50,12 @@ def package(name):
 
 def backward_config(spec, config_cls):
     """``config_cls`` (a ``BwdConfig``) from ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags any of
-    ``dkdv``, ``dq``, ``persistent``, ``fused``, ``chunksN`` (``kv_head_chunks=N``) joined by ``+``."""
+    ``dkdv``, ``dq``, ``persistent``, ``dynamic``, ``fused``, ``chunksN`` (``kv_head_chunks=N``) joined by ``+``."""
     parts = spec.split(",")
     flags = set(parts[8].split("+")) if len(parts) > 8 else set()
     chunks = [int(f[len("chunks"):]) for f in flags if f.startswith("chunks")]
     return config_cls(*[int(x) for x in parts[:8]], gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags,
-                      persistent="persistent" in flags, fused_dq="fused" in flags,
+                      persistent="persistent" in flags, dynamic="dynamic" in flags, fused_dq="fused" in flags,
                       kv_head_chunks=chunks[0] if chunks else 1)
 
 

@@ -144,6 +144,10 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d64-bf16-documents-softcap-gluon-merged-tiles", 64, 64, torch.bfloat16, "sm90pppm_m128_n128_w4_s3",
          _docs(300, 9), 30.0, False, False),
+        ("d128-bf16-documents-gluon-dynamic", 128, 128, torch.bfloat16, "sm90pppmd_m128_n128_w4_s3",
+         _docs(300, 9), 0.0, False, False),
+        ("d64-bf16-documents-softcap-maxlogits-gluon-dynamic", 64, 64, torch.bfloat16, "sm90pppmd_m128_n128_w4_s3",
+         _docs(300, 9), 30.0, True, False),
         # The Triton kernel's merged tiles on the TMA path (on the GPU only an explicit config merges there).
         ("d64-fp16-documents-merged-tiles", 64, 64, torch.float16,
          dataclasses.replace(fwd._BY_NAME["tma_m128_n64_w4_s3"], merge=True), _docs(300, 9), 0.0, False, False),
@@ -207,6 +211,13 @@ def backward_builds():
     cases += [("d128-bf16-split-heads-gluon", 128, 128, torch.bfloat16, 0.0, False, False,
                bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
                              kv_head_chunks=2))]
+    # The Hopper kernels on a dynamic schedule (items taken from a counter).
+    cases += [("d128-bf16-softcap-dlse-dynamic-gluon", 128, 128, torch.bfloat16, 30.0, True, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             dynamic=True)),
+              ("d64-bf16-dynamic-gluon", 64, 64, torch.bfloat16, 0.0, False, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             dynamic=True))]
     for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)

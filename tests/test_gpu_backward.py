@@ -362,13 +362,13 @@ def test_offsets_past_int32_in_a_strided_view():
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _gluon_config(D, Dv, dtype, persistent=False):
+def _gluon_config(D, Dv, dtype, persistent=False, dynamic=False):
     import dataclasses
 
     from flashrange.kernels.backward import default_config
 
     return dataclasses.replace(default_config(D, Dv, dtype, torch.device(DEV)), kv_block_n=128, q_block_m=128,
-                               gluon_dkdv=True, gluon_dq=True, persistent=persistent)
+                               gluon_dkdv=True, gluon_dq=True, persistent=persistent, dynamic=dynamic)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
@@ -469,11 +469,12 @@ def test_gluon_backward_many_short_slices(Tq, Tk, Hq, Hkv, n, D, dtype):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
-@pytest.mark.parametrize("persistent", [False, True], ids=["one-program-per-item", "persistent"])
-def test_gluon_backward_fuzz(persistent):
+@pytest.mark.parametrize("persistent, dynamic", [(False, False), (True, False), (True, True)],
+                         ids=["one-program-per-item", "persistent", "dynamic"])
+def test_gluon_backward_fuzz(persistent, dynamic):
     """300 random problems forced through the Gluon kernels, at the head dims they serve."""
     _grad_fuzz(4321, 300, [1, 17, 64, 65], 700, [64, 128, 96],
-               config_for=lambda D, dtype: _gluon_config(D, D, dtype, persistent))
+               config_for=lambda D, dtype: _gluon_config(D, D, dtype, persistent, dynamic))
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
@@ -493,6 +494,28 @@ def test_gluon_backward_persistent_grid_is_bitwise_the_same():
                                           config=_gluon_config(128, 128, torch.bfloat16, persistent=True))
     for a, b in zip((dq, dk, dv), got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("D", [128, 64], ids=["d128", "d64"])
+def test_gluon_backward_dynamic_schedule_is_bitwise_the_same(D):
+    """Programs that take their items from a counter give the bits of the fixed share, on every call (each
+    call's counters start from zero: gradients left unwritten would keep the NaN put where they are
+    allocated)."""
+    T = 8191
+    rows = _docs(T, 37, 7) + [(100, 3000, 50, 2900, FULL), (4000, 8191, 4000, 8000, INV_CAUSAL)]
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, *_) = _three_way(
+        T, T, 8, 4, D, D, rows, torch.bfloat16, seed=7, golden=False,
+        config=_gluon_config(D, D, torch.bfloat16, persistent=True))
+    qr, kr, mt = _ranges(rows)
+    for _ in range(3):
+        poison = [torch.full_like(t, float("nan")) for t in (dq, dk, dv)]
+        del poison
+        got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
+                                              config=_gluon_config(D, D, torch.bfloat16, persistent=True,
+                                                                   dynamic=True))
+        for a, b in zip((dq, dk, dv), got):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")

@@ -507,7 +507,8 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
         qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
                                                                     [r[4] for r in rows]))
         q, k, v = make_qkv(Tq, Tk, 4, 2, D, D, dtype, DEV, seed=seed)
-        for config in ("sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3"):
+        for config in ("sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3",
+                       "sm90pppmd_m128_n128_w4_s3"):
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=config)
             try:
                 check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
@@ -516,7 +517,8 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3"])
+@pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3",
+                                    "sm90pppmd_m128_n128_w4_s3"])
 def test_fuzz_hopper_kernel(config):
     """300 random masks forced through the Hopper kernel, at the head dims it serves.
 
@@ -541,6 +543,35 @@ def test_hopper_persistent_grid_is_bitwise_the_same(kind):
     one, lse_one = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pp_m128_n128_w4_s3")
     many, lse_many = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90ppp_m128_n128_w4_s3")
     assert torch.equal(one, many) and torch.equal(lse_one, lse_many)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
+def test_hopper_dynamic_schedule_is_bitwise_the_same(kind):
+    """Programs that take their items from a shared counter give the bits of the fixed zig-zag share, on
+    every launch: each launch's counter starts from zero, so later launches (through the recorded fast
+    path, with a plan given) cover every row again; rows left unwritten would keep the NaN put there."""
+    from flashrange.kernels.forward import range_attention_forward_triton
+
+    T = 8191
+    q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=19)
+    if kind == "short":
+        rows = short_slice_rows(T, T, 700, random.Random(5))
+        qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
+                                                                    [r[4] for r in rows]))
+    else:
+        qr, kr, mt = _mask(kind, T, 4)
+    fixed = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pppm_m128_n128_w4_s3")
+    qr, kr, mt = qr.to(DEV), kr.to(DEV), mt.to(DEV)
+    plan = flashrange.plan_mask(qr, kr, mt, T, T)
+    for _ in range(3):
+        # NaN where the outputs will be allocated (the caching allocator hands freed blocks back).
+        poison = (torch.full((T, 8, 128), float("nan"), dtype=torch.bfloat16, device=DEV),
+                  torch.full((T, 8), float("nan"), device=DEV))
+        del poison
+        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 128 ** -0.5, plan=plan,
+                                                  config="sm90pppmd_m128_n128_w4_s3")
+        assert torch.equal(out, fixed[0]) and torch.equal(lse, fixed[1])
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")

@@ -203,6 +203,11 @@ def test_default_configs_and_config_checks():
     with pytest.raises(ValueError, match="persistent applies to the Gluon kernels only"):
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, persistent=True)
     assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True).persistent
+    with pytest.raises(ValueError, match="must be a bool"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic="yes")
+    with pytest.raises(ValueError, match="dynamic schedules a persistent grid"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, dynamic=True)
+    assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True).dynamic
 
 
 def test_hopper_backward_refused_off_hopper():

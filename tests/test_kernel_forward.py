@@ -535,7 +535,8 @@ def _jit_parameters(kernel):
 
 def test_hopper_kernel_takes_the_triton_kernels_arguments():
     """The launcher passes one argument list to either kernel: the Gluon kernel's parameters are the Triton
-    kernel's, in order, then its own four; both leave the same sizes unspecialized."""
+    kernel's, in order, then its own six (the last, the dynamic schedule's counter, a pointer); both leave the
+    same sizes unspecialized."""
     pytest.importorskip("triton.experimental.gluon")
     from flashrange.kernels import forward as fwd
     from flashrange.kernels.forward_sm90 import range_attn_fwd_sm90_ws_kernel as gluon_kernel
@@ -543,7 +544,8 @@ def test_hopper_kernel_takes_the_triton_kernels_arguments():
     triton_params, triton_free = _jit_parameters(fwd._range_attn_fwd_kernel)
     gluon_params, gluon_free = _jit_parameters(gluon_kernel)
     assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True),
-                                            ("HAS_PACKED_HEADS", True)]
+                                            ("HAS_PACKED_HEADS", True), ("IS_DYNAMIC", True),
+                                            ("ticket_ptr", False)]
     assert gluon_free == triton_free == ["GROUP", "Tk", "Tq"]
 
 

@@ -396,6 +396,10 @@ class BwdConfig:
     # The Gluon kernels launch one program per SM, each walking several of the Triton grid's work
     # items (docs/design.md, "The Hopper backward"); the Triton kernels keep their grid.
     persistent: bool = False
+    # With persistent: the programs take their next work item from a counter shared by the launch as they
+    # finish one (the same list and order; no fixed share per program, which leaves some programs idle
+    # while others still work when the items' costs differ: docs/design.md, "Dynamic schedule").
+    dynamic: bool = False
     # One key-major Triton launch that also accumulates dQ, in turns (kernels/backward_fused.py): five
     # matmuls per tile instead of seven, the same bits on every run. Opt-in (slower than the default on the
     # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
@@ -410,7 +414,7 @@ class BwdConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "fused_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "fused_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -433,6 +437,9 @@ class BwdConfig:
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
+        if self.dynamic and not self.persistent:
+            raise ValueError("BwdConfig.dynamic schedules a persistent grid: set persistent too, or leave dynamic "
+                             "False")
 
 
 def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device, *, softcap: bool = False) -> BwdConfig:
@@ -618,11 +625,15 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             has_softcap, row64, *dkdv_meta,
         )
         dkdv_grid = (n_kv_items * chunks,)
+        # A dynamic schedule's counters of taken work items, one per Gluon kernel, zeroed per call.
+        dynamic = gluon and cfg.dynamic
+        tickets = torch.zeros(2, dtype=torch.int32, device=dev) if dynamic else None
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
-        for use_gluon, name, grid, args, stages, warps, kv in (
-            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v)),
+        for use_gluon, name, grid, args, stages, warps, kv, ticket in (
+            (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v),
+             tickets[0:1] if dynamic else ws),
             (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps,
-             (kx, vx)),
+             (kx, vx), tickets[1:2] if dynamic else ws),
         ):
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
             if use_gluon:
@@ -631,8 +642,10 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     # The Triton kernel below (a fallback) keeps the full grid.
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
-                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS
-                    launch(_gluon_kernel(name), gluon_grid, args + (stages, 4, packed_heads(q, *kv, dout)),
+                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, ticket_ptr (the workspace stands in for
+                    # a counter the kernel does not touch)
+                    launch(_gluon_kernel(name), gluon_grid,
+                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, ticket),
                            num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise

@@ -49,7 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_program, query_span,
                      slice_diagonals)
-from .sm90_common import bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, store_rows, tma_load
+from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, post_item,
+                          read_ticket, read_work, sched_buffers, store_rows, take_item, tma_load, wait_halves_free)
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -161,14 +162,15 @@ def _dkdv_scores_rows(s, dp, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_l
 
 
 @gluon.jit
-def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_b, packed, BLOCK_M: gl.constexpr,
+def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b, packed, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                        HAS_PACKED_HEADS: gl.constexpr):
-    """Loads of one work item: the key block's K and V halves, then every (slice, query head) pair's q and
-    dO tiles into ring tiles from ``it``. ``n_pairs`` counts bounded pairs so far (the descriptors' call
-    site alternates), ``wi`` items so far; ``last_a`` / ``last_b`` is the last tile through each pair of
-    descriptors. Returns them advanced. ``packed``: the program's k, v, q, dO descriptors over
-    ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
+    """Loads of one work item, once both consumers are done with the previous one's K and V
+    (``sm90_common.wait_halves_free``): the key block's K and V halves, then every (slice, query head) pair's
+    q and dO tiles into ring tiles from ``it``. ``n_pairs`` counts bounded pairs so far (the descriptors'
+    call site alternates); ``last_a`` / ``last_b`` is the last tile through each pair of descriptors.
+    Returns them advanced. ``packed``: the program's k, v, q, dO descriptors over ``(T, H * D)`` (with
+    ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
@@ -178,10 +180,6 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
     hk = pid_hk.to(gl.int64)
-    # Both consumers are done with the previous item's K and V (a fresh barrier passes phase 1);
-    # those loads landed before they were used, so the descriptors can be rewritten.
-    for j in gl.static_range(2):
-        mbarrier.wait(kv_free.index(j), (wi & 1) ^ 1)
     if HAS_PACKED_HEADS:
         k_desc, v_desc, q_all, do_all = packed
         k_col = pid_hk * BLOCK_D
@@ -214,10 +212,10 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a, last_
 
 
 @gluon.jit
-def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
               HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-              IS_DV_PADDED: gl.constexpr):
+              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -237,16 +235,33 @@ def _producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
     # descriptor is rewritten only once the loads through it have landed).
     last_a = it - 1
     last_b = it - 1
-    n_prog = gl.num_programs(0)
-    for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = nth_work(i, n_prog)
-        # The last round is short: some programs have no item in it.
-        if w < n_work:
+    kv_free = smem[5]
+    if IS_DYNAMIC:
+        w = take_item(sched[0])
+        while w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
-            it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, wi, last_a,
-                                                             last_b, packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                                             STAGES, HAS_PACKED_HEADS)
+            wait_halves_free(kv_free, wi)
+            post_item(sched, w, work)
+            it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b,
+                                                             packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                             HAS_PACKED_HEADS)
             wi += 1
+            w = take_item(sched[0])
+        # The end: a ticket past the list.
+        wait_halves_free(kv_free, wi)
+        post_item(sched, w, (0, 0, 0, 0, 0))
+    else:
+        n_prog = gl.num_programs(0)
+        for i in range(0, gl.cdiv(n_work, n_prog)):
+            w = nth_work(i, n_prog)
+            # The last round is short: some programs have no item in it.
+            if w < n_work:
+                wait_halves_free(kv_free, wi)
+                work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
+                it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a,
+                                                                 last_b, packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                                                 STAGES, HAS_PACKED_HEADS)
+                wi += 1
 
 
 @gluon.jit
@@ -420,9 +435,10 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
 
 
 @gluon.jit
-def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-              IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
+              IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
+              IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
@@ -430,25 +446,35 @@ def _consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, B
     n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
     it = 0
     wi = 0
-    n_prog = gl.num_programs(0)
-    for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = nth_work(i, n_prog)
-        if w < n_work:
-            work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
+    if IS_DYNAMIC:
+        w = read_ticket(sched, wi)
+        while w < n_work:
+            work = read_work(sched)
             mbarrier.wait(kv_ready.index(J), wi & 1)
             it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                                     STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
             wi += 1
+            w = read_ticket(sched, wi)
+    else:
+        n_prog = gl.num_programs(0)
+        for i in range(0, gl.cdiv(n_work, n_prog)):
+            w = nth_work(i, n_prog)
+            if w < n_work:
+                work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
+                mbarrier.wait(kv_ready.index(J), wi & 1)
+                it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                        HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
+                wi += 1
 
 
 @gluon.jit
-def _consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                 HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                IS_DV_PADDED: gl.constexpr):
+                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
-    _consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES, IS_BY_ROWS,
-              IS_D_PADDED, IS_DV_PADDED, 1)
+    _consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+              IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -462,13 +488,15 @@ def bwd_dkdv_sm90_kernel(
     HAS_SOFTCAP: gl.constexpr, IS_INT64: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
+    ticket_ptr,
 ):
-    """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` and ``HAS_PACKED_HEADS`` (each row
+    """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS``, ``HAS_PACKED_HEADS`` (each row
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
-    program, sm90_common); launched with 4 warps (the first consumer) plus a 4-warp and a 1-warp worker,
-    under a register cap the partitions split. On the Triton kernel's grid each program owns one work item;
-    on a smaller (persistent) grid each walks several."""
+    program, sm90_common), ``IS_DYNAMIC`` and ``ticket_ptr`` (the programs take their items from this
+    zeroed counter, sm90_common.take_item; untouched otherwise); launched with 4 warps (the first consumer)
+    plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
+    grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_N // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -504,13 +532,15 @@ def bwd_dkdv_sm90_kernel(
     smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem)
     scalars = (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
+    item, posted = sched_buffers()
+    sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
-        (_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, 0)),
-        (_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED)),
-        (_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED)),
+        (_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
+        (_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
+        (_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
+                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
     ], [4, 1], [240, 24])
 
 
@@ -523,10 +553,11 @@ def bwd_dkdv_sm90_kernel(
 
 
 @gluon.jit
-def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed, BLOCK_M: gl.constexpr,
+def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                      HAS_PACKED_HEADS: gl.constexpr):
-    """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``
+    """Loads of one work item, once both consumers are done with the previous one's queries
+    (``sm90_common.wait_halves_free``): its query halves, then every slice's K/V tiles into ring tiles from ``it``
     (counters and ``packed``, the q, k, v descriptors, as in ``_produce_dkdv_work``)."""
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr, order_ptrs = ptrs
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty = smem
@@ -538,9 +569,6 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, pa
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     h = pid_h.to(gl.int64)
     hk = (pid_h // G).to(gl.int64)
-    # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1).
-    for j in gl.static_range(2):
-        mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
     if HAS_PACKED_HEADS:
         q_desc, k_all, v_all = packed
         q_col = pid_h * BLOCK_D
@@ -565,10 +593,10 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, pa
 
 
 @gluon.jit
-def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                  STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                 IS_DV_PADDED: gl.constexpr):
+                 IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Tk, Hq, G = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -585,15 +613,31 @@ def _dq_producer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr
     # As in the dK/dV producer: two pairs of descriptors by turns.
     last_a = it - 1
     last_b = it - 1
-    n_prog = gl.num_programs(0)
-    for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = nth_work(i, n_prog)
-        if w < n_work:
+    q_free = smem[4]
+    if IS_DYNAMIC:
+        w = take_item(sched[0])
+        while w < n_work:
             work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
-            it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b,
-                                                        packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                        HAS_PACKED_HEADS)
+            wait_halves_free(q_free, wi)
+            post_item(sched, w, work)
+            it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
+                                                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
             wi += 1
+            w = take_item(sched[0])
+        # The end: a ticket past the list.
+        wait_halves_free(q_free, wi)
+        post_item(sched, w, (0, 0, 0, 0, 0))
+    else:
+        n_prog = gl.num_programs(0)
+        for i in range(0, gl.cdiv(n_work, n_prog)):
+            w = nth_work(i, n_prog)
+            if w < n_work:
+                wait_halves_free(q_free, wi)
+                work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+                it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b,
+                                                            packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                            HAS_PACKED_HEADS)
+                wi += 1
 
 
 @gluon.jit
@@ -746,32 +790,43 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
 
 
 @gluon.jit
-def _dq_consumer(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
-                 STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
+                 STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
+                 IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Hq = scalars[0], scalars[2]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     it = 0
     wi = 0
-    n_prog = gl.num_programs(0)
-    for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = nth_work(i, n_prog)
-        if w < n_work:
-            work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+    if IS_DYNAMIC:
+        # _consume_dq_work waits for the queries itself (its dO and O rows load first).
+        w = read_ticket(sched, wi)
+        while w < n_work:
+            work = read_work(sched)
             it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                                   HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, J)
             wi += 1
+            w = read_ticket(sched, wi)
+    else:
+        n_prog = gl.num_programs(0)
+        for i in range(0, gl.cdiv(n_work, n_prog)):
+            w = nth_work(i, n_prog)
+            if w < n_work:
+                work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
+                it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                      HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, J)
+                wi += 1
 
 
 @gluon.jit
-def _dq_consumer_1(ptrs, smem, scalars, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                    STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                   IS_DV_PADDED: gl.constexpr):
-    _dq_consumer(ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE, STAGES,
-                 IS_D_PADDED, IS_DV_PADDED, 1)
+                   IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
+    _dq_consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
+                 STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
@@ -787,11 +842,12 @@ def bwd_dq_sm90_kernel(
     IS_BF16_EMULATED: gl.constexpr,
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
+    ticket_ptr,
 ):
-    """The Triton dQ kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` (``BLOCK_M`` = 128) and
-    ``HAS_PACKED_HEADS`` (q, k and v, as in the dK/dV kernel); on its grid each program owns one work
-    item, on a smaller (persistent) grid each walks several."""
+    """The Triton dQ kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` (``BLOCK_M`` = 128),
+    ``HAS_PACKED_HEADS`` (q, k and v), ``IS_DYNAMIC`` and ``ticket_ptr``, as in the dK/dV kernel; on its
+    grid each program owns one work item, on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -817,11 +873,13 @@ def bwd_dq_sm90_kernel(
     scalars = (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
                stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh, stride_dqt, stride_dqh,
                scale, softcap)
+    item, posted = sched_buffers()
+    sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
-        (_dq_consumer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                        STAGES, IS_D_PADDED, IS_DV_PADDED, 0)),
-        (_dq_consumer_1, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                          STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED)),
-        (_dq_producer, (ptrs, smem, scalars, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                        STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED)),
+        (_dq_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                        HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
+        (_dq_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                          HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
+        (_dq_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                        HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
     ], [4, 1], [240, 24])

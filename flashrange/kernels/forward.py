@@ -332,6 +332,9 @@ class FwdConfig:
     # as one run of key tiles, each row masked by its own slice, when that takes fewer tiles
     # (docs/design.md, "Merged tiles").
     merge: bool = False
+    # Gluon persistent only: programs take their next work item from a shared counter as they
+    # finish one (the same order, no fixed share per program; docs/design.md, "Dynamic schedule").
+    dynamic: bool = False
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -373,6 +376,8 @@ FWD_CONFIGS = [
               persistent=True),
     FwdConfig("sm90pppm_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True),
+    FwdConfig("sm90pppmd_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
+              persistent=True, merge=True, dynamic=True),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
     FwdConfig("cpu_m64_n64", 64, 64, 4, 1, merge=True),
@@ -535,13 +540,23 @@ _MAX_RECIPES = 1024
 class _Recipe(NamedTuple):
     handle: object
     grid: tuple
-    tail: tuple  # the arguments after the plan's four query-major tensors
+    tail: tuple  # the arguments after the plan's four query-major tensors (a Gluon kernel's ticket left out)
     uses_tma: bool  # the kernel builds tensor descriptors: it needs Triton's allocator in this thread
+    ticket: str  # the Gluon kernel's last argument: "" (none: the Triton kernel), "fresh" or "stand-in"
+
+
+def _ticket(kind, lse):
+    """The Gluon kernel's last argument: a zeroed counter of taken work items for a dynamic schedule
+    (``"fresh"``: each launch counts from 0), else a tensor of this call that it never touches."""
+    if kind == "fresh":
+        return torch.zeros(1, dtype=torch.int32, device=lse.device)
+    return lse
 
 
 def _recorded_args(recipe, q, k, v, out, lse, rowmax, plan):
     """A recorded call's launch arguments: this call's tensors, then the recorded tail (see :func:`_launch`)."""
-    return (q, k, v, out, lse, lse if rowmax is None else rowmax, plan[0], plan[1], plan[2], plan[3]) + recipe.tail
+    args = (q, k, v, out, lse, lse if rowmax is None else rowmax, plan[0], plan[1], plan[2], plan[3]) + recipe.tail
+    return args + (_ticket(recipe.ticket, lse),) if recipe.ticket else args
 
 
 def _signature(q, k, v, plan, softmax_scale, softcap, config, return_max_logits):
@@ -719,8 +734,13 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
-        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS
-        args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v))
+        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, ticket_ptr
+        dynamic = config.persistent and config.dynamic
+        ticket = "fresh" if dynamic else "stand-in"
+        args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), dynamic,
+                       _ticket(ticket, lse))
+    else:
+        ticket = ""
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)
@@ -728,7 +748,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
             handle = jit_launch(kernel, grid, args, config.num_warps, num_stages, maxnreg)
             if len(_RECIPES) >= _MAX_RECIPES:
                 _RECIPES.clear()
-            _RECIPES[sig] = _Recipe(handle, grid, args[10:], use_tma)
+            _RECIPES[sig] = _Recipe(handle, grid, args[10:-1] if ticket else args[10:], use_tma, ticket)
     except Exception as e:  # noqa: BLE001 - any failure to build the Gluon kernel; others re-raise
         if kernel is _range_attn_fwd_kernel or not may_fall_back:
             raise

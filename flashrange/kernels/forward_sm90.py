@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
-from .sm90_common import (bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, store_rows, tma_load,
+from .sm90_common import (bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, post_item, read_ticket,
+                          read_work, sched_buffers, store_rows, take_item, tma_load, wait_halves_free,
                           wait_tiles_landed)
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -139,14 +140,15 @@ def _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col
 
 @gluon.jit
 def _produce_work(
-    ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed,
+    ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_MERGING: gl.constexpr,
 ):
-    """Loads of one work item: its query halves, then every slice's K/V tiles into ring tiles from ``it``.
-    ``n_sl`` counts bounded slices so far (the value descriptor's call site alternates), ``wi`` items so
-    far; ``last_a`` / ``last_b`` is the last tile through each value descriptor. Returns them advanced.
-    ``packed``: the program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
+    """Loads of one work item, once both consumers have freed the query halves
+    (``sm90_common.wait_halves_free``): its query halves, then every slice's K/V tiles into ring tiles from
+    ``it``. ``n_sl`` counts bounded slices so far (the value descriptor's call site alternates); ``last_a`` /
+    ``last_b`` is the last tile through each value descriptor. Returns them advanced. ``packed``: the
+    program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -154,10 +156,6 @@ def _produce_work(
     pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
-    # Both consumers are done with the previous item's queries (a fresh barrier passes phase 1);
-    # those loads landed before they were used, so the query descriptor can be rewritten.
-    for j in gl.static_range(2):
-        mbarrier.wait(q_free.index(j), (wi & 1) ^ 1)
     if HAS_PACKED_HEADS:
         q_desc, k_desc, v_desc = packed
         q_col = pid_h * D
@@ -205,11 +203,11 @@ def _produce_work(
 
 @gluon.jit
 def _ws_producer(
-    ptrs, smem, scalars,
+    ptrs, smem, scalars, sched,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -229,16 +227,34 @@ def _ws_producer(
     # descriptor is rewritten only once the loads through it have landed).
     last_a = it - 1
     last_b = it - 1
-    n_prog = gl.num_programs(0)
-    for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = nth_work(i, n_prog)
-        # The last round is short: some programs have no item in it.
-        if w < n_work:
+    q_free = smem[4]
+    if IS_DYNAMIC:
+        w = take_item(sched[0])
+        while w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, wi, last_a, last_b, packed,
+            wait_halves_free(q_free, wi)
+            pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
+            post_item(sched, w, (pid_h, r0, r1, s_lo, s_hi))
+            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
                                                      D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                      HAS_PACKED_HEADS, IS_MERGING)
             wi += 1
+            w = take_item(sched[0])
+        # The end: a ticket past the list.
+        wait_halves_free(q_free, wi)
+        post_item(sched, w, (0, 0, 0, 0, 0))
+    else:
+        n_prog = gl.num_programs(0)
+        for i in range(0, gl.cdiv(n_work, n_prog)):
+            w = nth_work(i, n_prog)
+            # The last round is short: some programs have no item in it.
+            if w < n_work:
+                wait_halves_free(q_free, wi)
+                work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+                it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b,
+                                                         packed, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                         HAS_PACKED_HEADS, IS_MERGING)
+                wi += 1
 
 
 @gluon.jit
@@ -447,11 +463,11 @@ def _consume_work(
 
 @gluon.jit
 def _ws_consumer(
-    ptrs, smem, scalars,
+    ptrs, smem, scalars, sched,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    J: gl.constexpr,
+    IS_DYNAMIC: gl.constexpr, J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
@@ -462,30 +478,41 @@ def _ws_consumer(
     # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
     n_blk = 0
     wi = 0
-    n_prog = gl.num_programs(0)
-    for i in range(0, gl.cdiv(n_work, n_prog)):
-        w = nth_work(i, n_prog)
-        if w < n_work:
-            pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+    if IS_DYNAMIC:
+        w = read_ticket(sched, wi)
+        while w < n_work:
+            work = read_work(sched)
             mbarrier.wait(q_ready.index(J), wi & 1)
-            it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV, BLOCK_M,
-                                      BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
-                                      STAGES, IS_PINGPONG, IS_MERGING, J)
+            it, n_blk = _consume_work(ptrs, smem, scalars, work, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
+                                      BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG,
+                                      IS_MERGING, J)
             wi += 1
+            w = read_ticket(sched, wi)
+    else:
+        n_prog = gl.num_programs(0)
+        for i in range(0, gl.cdiv(n_work, n_prog)):
+            w = nth_work(i, n_prog)
+            if w < n_work:
+                pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
+                mbarrier.wait(q_ready.index(J), wi & 1)
+                it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV,
+                                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
+                                          HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
+                wi += 1
 
 
 @gluon.jit
 def _ws_consumer_1(
-    ptrs, smem, scalars,
+    ptrs, smem, scalars, sched,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
-        ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, 1,
+        ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, 1,
     )
 
 
@@ -504,6 +531,7 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+    IS_DYNAMIC: gl.constexpr, ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls) and ``HAS_PACKED_HEADS`` (each row
@@ -542,11 +570,16 @@ def range_attn_fwd_sm90_ws_kernel(
     smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn)
     scalars = (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
+    # A dynamic schedule's next item, posted by the producer for both consumers.
+    item, posted = sched_buffers()
+    sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
-        (_ws_consumer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, 0)),
-        (_ws_consumer_1, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING)),
-        (_ws_producer, (ptrs, smem, scalars, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING)),
+        (_ws_consumer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, 0)),
+        (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                          HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
+                          IS_MERGING, IS_DYNAMIC)),
+        (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
+                        IS_DYNAMIC)),
     ], [4, 1], [240, 24])

@@ -28,7 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work",
-           "packed_qkv", "store_rows", "tma_load", "wait_tiles_landed"]
+           "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows", "take_item", "tma_load",
+           "wait_halves_free", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -51,6 +52,15 @@ def wait_tiles_landed(ready, last, it, STAGES: gl.constexpr):
         c = last - i
         if (c >= 0) & (it - c <= STAGES):
             mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
+
+
+@gluon.jit
+def wait_halves_free(free, wi):
+    """A producer's wait until both consumers are done with the tiles of its item ``wi - 1`` that it loads
+    once per item (the query or key block's halves; a fresh barrier passes phase 1). Those loads landed
+    before they were used, so their descriptors and buffers can be rewritten."""
+    for j in gl.static_range(2):
+        mbarrier.wait(free.index(j), (wi & 1) ^ 1)
 
 
 @gluon.jit
@@ -173,3 +183,61 @@ def nth_work(i, n_prog):
     heaviest item of every round). One round when each program has its own item."""
     pid = gl.program_id(0)
     return i * n_prog + gl.where(i % 2 == 0, pid, n_prog - 1 - pid)
+
+
+# A dynamic schedule (``IS_DYNAMIC``): the persistent programs take the items of the same list, in the same
+# order, from a counter shared by the launch, each as it finishes the one before, instead of a fixed share
+# (nth_work). Items differ in cost (a document's blocks), so a fixed share leaves some programs
+# working while others are done; which program computes an item never changes its bits. The producer
+# warp takes each ticket, decodes it (the plan's entries) and posts the item in shared memory for the
+# consumers (``sched``: the counter, a ``[6, 1]`` int32 buffer and its mbarrier, one arrival per item).
+
+
+@gluon.jit
+def take_item(ticket_ptr):
+    """The next work item: the counter's value before this program's add (the launch zeroes it). Past
+    the list once every item is taken; each program stops at one such ticket."""
+    return gl.atomic_add(ticket_ptr, 1, sem="relaxed")
+
+
+@gluon.jit
+def post_item(sched, w, work):
+    """Post ticket ``w`` and its decoded ``work`` (five ints) for the consumers, from the producer's one warp,
+    once they are done reading the previous item. The barrier's arrival (release semantics) orders the
+    stores before the consumers' reads."""
+    item, posted = sched[1], sched[2]
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    item.index(0).store(gl.full([1], w, gl.int32, layout=layout))
+    for k in gl.static_range(5):
+        item.index(k + 1).store(gl.full([1], work[k], gl.int32, layout=layout))
+    mbarrier.arrive(posted, count=1)
+
+
+@gluon.jit
+def _posted(item, k: gl.constexpr):
+    return gl.max(item.index(k).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+
+
+@gluon.jit
+def read_ticket(sched, wi):
+    """A consumer's item number ``wi`` of its program, once posted (:func:`post_item`): its ticket."""
+    mbarrier.wait(sched[2], wi & 1)
+    return _posted(sched[1], 0)
+
+
+@gluon.jit
+def read_work(sched):
+    """The posted item's decoded work, after :func:`read_ticket` and until the consumer frees that item's
+    halves (only then may the producer post the next one). Read where it is used: carried through the
+    item loop, the five values would take registers the tile loops need."""
+    item = sched[1]
+    return _posted(item, 1), _posted(item, 2), _posted(item, 3), _posted(item, 4), _posted(item, 5)
+
+
+@gluon.jit
+def sched_buffers():
+    """The shared memory of a dynamic schedule: the posted item and its barrier (``sched[1:]``)."""
+    item = gl.allocate_shared_memory(gl.int32, [6, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    posted = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(posted, count=1)
+    return item, posted
