@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from flashrange.bench import cases as bench_cases
 from flashrange.bench import report, timing
 from flashrange.bench.contenders import FlashRangePublic
 from flashrange.bench.runner import TOLERANCE, case_flops
+from golden import dense_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -359,6 +361,25 @@ def test_trace_items_edits_apply_to_the_forward():
     for text in texts.values():
         ast.parse(text)
     assert texts["forward_sm90.py"].count("_clock(") == 5 and "TRACE = None" in texts["forward.py"]
+
+
+def test_schedule_model_reach_matches_the_dense_mask():
+    """``scripts/schedule_model.py`` counts an item's key tiles from the keys its rows reach in each slice:
+    the first and last covered key of the block's rows in the dense mask of that slice alone."""
+    schedule_model = _script("schedule_model")
+    rng = random.Random(7)
+    T = 97
+    for _ in range(300):
+        qs, ks = rng.randrange(T), rng.randrange(T)
+        row = (qs, rng.randrange(qs, T + 1), ks, rng.randrange(ks, T + 1), rng.randrange(4))
+        r0 = rng.randrange(T)
+        r1 = rng.randrange(r0 + 1, T + 1)
+        cols = dense_counts([row[:2]], [row[2:4]], [row[4]], T, T)[r0:r1].sum(0).nonzero().flatten().tolist()
+        lo, hi = schedule_model.reach(r0, r1, row)
+        if cols:
+            assert (lo, hi) == (cols[0], cols[-1] + 1), (row, r0, r1)
+        else:
+            assert hi <= lo, (row, r0, r1)
 
 
 def test_trace_items_block_orders_are_permutations():
