@@ -59,26 +59,26 @@ _EDITS = [
      "mask=mask_m)\n    return it, n_blk\n",
      "    return it, n_blk, t_loop\n"),
     ("forward_sm90.py",
-     "            mbarrier.wait(q_ready.index(J), wi & 1)\n"
-     "            it, n_blk = _consume_work(",
-     "            t_wait = _clock(wi)\n"
-     "            mbarrier.wait(q_ready.index(J), wi & 1)\n"
-     "            t_start = _clock(wi)\n"
-     "            it0 = it\n"
-     "            it, n_blk, t_loop = _consume_work("),
+     "    mbarrier.wait(q_ready.index(J), wi & 1)\n"
+     "    it, n_blk = _consume_work(",
+     "    t_wait = _clock(wi)\n"
+     "    mbarrier.wait(q_ready.index(J), wi & 1)\n"
+     "    t_start = _clock(wi)\n"
+     "    it0 = it\n"
+     "    it, n_blk, t_loop = _consume_work("),
     ("forward_sm90.py",
-     "STAGES, IS_PINGPONG, IS_MERGING, J)\n            wi += 1\n",
-     "STAGES, IS_PINGPONG, IS_MERGING, J)\n"
-     "            t_end = _clock(wi)\n"
-     "            tr = ptrs[5] + (w.to(gl.int64) * 2 + J) * 8\n"
-     "            gl.store(tr + 0, t_wait.to(gl.float32, bitcast=True))\n"
-     "            gl.store(tr + 1, t_start.to(gl.float32, bitcast=True))\n"
-     "            gl.store(tr + 2, t_loop.to(gl.float32, bitcast=True))\n"
-     "            gl.store(tr + 3, t_end.to(gl.float32, bitcast=True))\n"
-     "            gl.store(tr + 4, (it - it0).to(gl.float32, bitcast=True))\n"
-     "            gl.store(tr + 5, gl.program_id(0).to(gl.float32, bitcast=True))\n"
-     "            gl.store(tr + 6, _smid(wi).to(gl.float32, bitcast=True))\n"
-     "            wi += 1\n"),
+     "IS_PINGPONG, IS_MERGING, J)\n    return it, n_blk\n",
+     "IS_PINGPONG, IS_MERGING, J)\n"
+     "    t_end = _clock(wi)\n"
+     "    tr = ptrs[5] + (w.to(gl.int64) * 2 + J) * 8\n"
+     "    gl.store(tr + 0, t_wait.to(gl.float32, bitcast=True))\n"
+     "    gl.store(tr + 1, t_start.to(gl.float32, bitcast=True))\n"
+     "    gl.store(tr + 2, t_loop.to(gl.float32, bitcast=True))\n"
+     "    gl.store(tr + 3, t_end.to(gl.float32, bitcast=True))\n"
+     "    gl.store(tr + 4, (it - it0).to(gl.float32, bitcast=True))\n"
+     "    gl.store(tr + 5, gl.program_id(0).to(gl.float32, bitcast=True))\n"
+     "    gl.store(tr + 6, _smid(wi).to(gl.float32, bitcast=True))\n"
+     "    return it, n_blk\n"),
 ]
 
 

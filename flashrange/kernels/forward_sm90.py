@@ -462,6 +462,23 @@ def _consume_work(
 
 
 @gluon.jit
+def _consume_item(
+    ptrs, smem, scalars, work, w, wi, it, n_blk,
+    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
+    J: gl.constexpr,
+):
+    """This warpgroup's item number ``wi`` of its program, item ``w`` of the list (``work`` decoded), once its
+    query half has landed; returns ``(it, n_blk)`` advanced (``_consume_work``)."""
+    q_ready = smem[3]
+    mbarrier.wait(q_ready.index(J), wi & 1)
+    it, n_blk = _consume_work(ptrs, smem, scalars, work, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                              HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
+    return it, n_blk
+
+
+@gluon.jit
 def _ws_consumer(
     ptrs, smem, scalars, sched,
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -471,7 +488,6 @@ def _ws_consumer(
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
-    q_ready = smem[3]
     Hq, GROUP, Tq = scalars[0], scalars[1], scalars[2]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     it = 0
@@ -481,11 +497,9 @@ def _ws_consumer(
     if IS_DYNAMIC:
         w = read_ticket(sched, wi)
         while w < n_work:
-            work = read_work(sched)
-            mbarrier.wait(q_ready.index(J), wi & 1)
-            it, n_blk = _consume_work(ptrs, smem, scalars, work, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                      BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG,
-                                      IS_MERGING, J)
+            it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, D, DV, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
+                                      STAGES, IS_PINGPONG, IS_MERGING, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -494,9 +508,8 @@ def _ws_consumer(
             w = nth_work(i, n_prog)
             if w < n_work:
                 pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-                mbarrier.wait(q_ready.index(J), wi & 1)
-                it, n_blk = _consume_work(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), it, n_blk, D, DV,
-                                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
+                it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk, D,
+                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
                                           HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
                 wi += 1
 
