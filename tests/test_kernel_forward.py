@@ -465,6 +465,47 @@ def test_recorded_launch_passes_the_recorded_call_arguments(monkeypatch, max_log
         assert a is b if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b)
 
 
+@pytest.mark.parametrize("config_name", ["sm90pppm_m128_n128_w4_s3", "sm90pppmd_m128_n128_w4_s3"],
+                         ids=["fixed-share", "dynamic"])
+def test_recorded_gluon_launch_takes_this_calls_ticket(monkeypatch, config_name):
+    """The Hopper kernel's last argument is its work counter: under a dynamic schedule each launch, the recorded
+    ones too, gets a fresh zeroed counter (a reused one would start past the list and skip every item);
+    otherwise a tensor of this call stands in (the kernel never touches it), so no recording holds on to an
+    earlier call's memory. Every other argument is the recorded call's (dispatcher stood in for, as above)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import flashrange
+    from flashrange.kernels import forward as fwd_mod
+
+    launched = []
+    monkeypatch.setattr(fwd_mod, "jit_launch", lambda kernel, grid, args, *a: launched.append(args) or "compiled")
+    monkeypatch.setattr(fwd_mod, "_RECIPES", {})
+    T, H, D = 300, 2, 128
+    q, k, v = (torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(3))
+    qr = torch.tensor([[0, 150], [150, 300]], dtype=torch.int32)
+    mt = torch.tensor([1, 1], dtype=torch.int32)
+    plan = flashrange.plan_mask(qr, qr, mt, T, T)
+    config = fwd_mod._BY_NAME[config_name]
+    out, lse = torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H)
+    fwd_mod._launch(q, k, v, out, lse, None, plan, D ** -0.5, 0.0, config, fwd_mod.plan_split(config.BLOCK_M),
+                    True, False, "the-signature")
+    (args,), recipe = launched, fwd_mod._RECIPES["the-signature"]
+    assert args[-2] is config.dynamic  # IS_DYNAMIC
+    # A repeated call: new outputs, the recorded tail, this call's counter.
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    again = fwd_mod._recorded_args(recipe, q, k, v, out2, lse2, None, plan)
+    assert len(again) == len(args)
+    assert again[3] is out2 and again[4] is lse2 and again[5] is lse2  # lse stands in for the row maxima
+    for a, b in zip(again[6:-1], args[6:-1]):
+        assert (a is b) if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b)
+    if config.dynamic:
+        for ticket in (args[-1], again[-1]):
+            assert ticket.dtype == torch.int32 and ticket.tolist() == [0]
+        assert again[-1] is not args[-1]
+        assert fwd_mod._recorded_args(recipe, q, k, v, out2, lse2, None, plan)[-1] is not again[-1]
+    else:
+        assert args[-1] is lse and again[-1] is lse2
+
+
 def test_recorded_launches_are_bounded(monkeypatch):
     """The record of call signatures is cleared when full: shapes that change every step cannot grow it forever."""
     import flashrange
