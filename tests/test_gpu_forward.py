@@ -58,6 +58,13 @@ def _sliding_window(T, W):
     return qr, kr, torch.tensor([CAUSAL, BI_CAUSAL], dtype=torch.int32)
 
 
+def _short_mask(T, n, seed):
+    """``n`` short slices of every type in ``T x T`` (``golden.short_slice_rows``), as CPU tensors."""
+    rows = short_slice_rows(T, T, n, random.Random(seed))
+    return (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
+                                                          [r[4] for r in rows]))
+
+
 def _run(q, k, v, qr, kr, mt, scale, softcap=0.0, config=None):
     return range_attention_forward_triton(
         q, k, v, qr.to(DEV), kr.to(DEV), mt.to(DEV), scale, softcap, config=config
@@ -555,12 +562,7 @@ def test_hopper_dynamic_schedule_is_bitwise_the_same(kind):
 
     T = 8191
     q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=19)
-    if kind == "short":
-        rows = short_slice_rows(T, T, 700, random.Random(5))
-        qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
-                                                                    [r[4] for r in rows]))
-    else:
-        qr, kr, mt = _mask(kind, T, 4)
+    qr, kr, mt = _short_mask(T, 700, 5) if kind == "short" else _mask(kind, T, 4)
     fixed = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pppm_m128_n128_w4_s3")
     qr, kr, mt = qr.to(DEV), kr.to(DEV), mt.to(DEV)
     plan = flashrange.plan_mask(qr, kr, mt, T, T)
@@ -583,12 +585,7 @@ def test_hopper_packed_heads_is_bitwise_the_same(kind):
 
     T = 4099
     q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=13)
-    if kind == "short":
-        rows = short_slice_rows(T, T, 300, random.Random(3))
-        qr, kr, mt = (torch.tensor(x, dtype=torch.int32) for x in ([r[:2] for r in rows], [r[2:4] for r in rows],
-                                                                    [r[4] for r in rows]))
-    else:
-        qr, kr, mt = _mask(kind, T, 5)
+    qr, kr, mt = _short_mask(T, 300, 3) if kind == "short" else _mask(kind, T, 5)
     qu, ku, vu = heads_padded_view(q), heads_padded_view(k), heads_padded_view(v)
     assert packed_heads(q, k, v) and not packed_heads(qu, ku, vu)
     out, lse = _run(q, k, v, qr, kr, mt, 128 ** -0.5)

@@ -240,16 +240,14 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
         w = take_item(sched[0])
         while w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
-            wait_halves_free(kv_free, wi)
-            post_item(sched, w, work)
+            post_item(sched, kv_free, wi, w, work)
             it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b,
                                                              packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                              HAS_PACKED_HEADS)
             wi += 1
             w = take_item(sched[0])
         # The end: a ticket past the list.
-        wait_halves_free(kv_free, wi)
-        post_item(sched, w, (0, 0, 0, 0, 0))
+        post_item(sched, kv_free, wi, w, (0, 0, 0, 0, 0))
     else:
         n_prog = gl.num_programs(0)
         for i in range(0, gl.cdiv(n_work, n_prog)):
@@ -618,15 +616,13 @@ def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
         w = take_item(sched[0])
         while w < n_work:
             work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
-            wait_halves_free(q_free, wi)
-            post_item(sched, w, work)
+            post_item(sched, q_free, wi, w, work)
             it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
                                                         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
             wi += 1
             w = take_item(sched[0])
         # The end: a ticket past the list.
-        wait_halves_free(q_free, wi)
-        post_item(sched, w, (0, 0, 0, 0, 0))
+        post_item(sched, q_free, wi, w, (0, 0, 0, 0, 0))
     else:
         n_prog = gl.num_programs(0)
         for i in range(0, gl.cdiv(n_work, n_prog)):

@@ -232,17 +232,15 @@ def _ws_producer(
         w = take_item(sched[0])
         while w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-            wait_halves_free(q_free, wi)
             pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
-            post_item(sched, w, (pid_h, r0, r1, s_lo, s_hi))
+            post_item(sched, q_free, wi, w, (pid_h, r0, r1, s_lo, s_hi))
             it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
                                                      D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                      HAS_PACKED_HEADS, IS_MERGING)
             wi += 1
             w = take_item(sched[0])
         # The end: a ticket past the list.
-        wait_halves_free(q_free, wi)
-        post_item(sched, w, (0, 0, 0, 0, 0))
+        post_item(sched, q_free, wi, w, (0, 0, 0, 0, 0))
     else:
         n_prog = gl.num_programs(0)
         for i in range(0, gl.cdiv(n_work, n_prog)):

@@ -201,10 +201,11 @@ def take_item(ticket_ptr):
 
 
 @gluon.jit
-def post_item(sched, w, work):
-    """Post ticket ``w`` and its decoded ``work`` (five ints) for the consumers, from the producer's one warp,
-    once they are done reading the previous item. The barrier's arrival (release semantics) orders the
-    stores before the consumers' reads."""
+def post_item(sched, free, wi, w, work):
+    """Post ticket ``w`` and its decoded ``work`` (five ints) as the producer's item number ``wi``, once both
+    consumers are done with item ``wi - 1`` (``free``, as :func:`wait_halves_free`); from the producer's one
+    warp. The barrier's arrival (release semantics) orders the stores before the consumers' reads."""
+    wait_halves_free(free, wi)
     item, posted = sched[1], sched[2]
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     item.index(0).store(gl.full([1], w, gl.int32, layout=layout))
