@@ -12,10 +12,8 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 9 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-ab dyn 150 --fuzz 3 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
-  --cases doc16-32k,doc128-32k,doc16-128k,longshort-32k,causal-8k
-timeout 100 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
+ab dyn 130 --fuzz 3 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
+  --cases doc16-32k,doc128-32k,doc16-128k,causal-8k
+timeout 90 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
   -k "dynamic_schedule" > "$OUT/pytest_dyn.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
-ab dynb 80 --fuzz 2 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
-  --cases doc16-32k,doc128-32k
