@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT). Nineteenth session: the dynamic
-# schedule (programs take items from a shared counter; forward config sm90pppmd, backward flag "dynamic")
-# against the fixed zig-zag share of the defaults, its GPU tests.
+# The runs of one device call, edited per session (logs under $OUT). Left by the nineteenth session, which
+# could not start a GPU: the dynamic schedule (programs take their items from a counter; forward config
+# sm90pppmd, backward flag "dynamic") against the fixed zig-zag share of the defaults, then its GPU tests
+# (bitwise equal to the fixed share on every call; the forward's fuzzes). If it wins: make it the default
+# (forward._SM90_DEFAULTS, backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -9,11 +11,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu
 ab() {  # name, time limit (s), ab.py args...
   local name=$1; shift
   local limit=$1; shift
-  timeout "$limit" python scripts/ab.py --reps 9 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
+  timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-ab dyn 130 --fuzz 3 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
-  --cases doc16-32k,doc128-32k,doc16-128k,causal-8k
-timeout 90 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
-  -k "dynamic_schedule" > "$OUT/pytest_dyn.log" 2>&1
+ab dyn 200 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
+  --cases doc16-32k,doc128-32k,doc1024-32k,doc16-128k,longshort-32k,causal-8k,full-8k,swa2048-32k
+ab dynb 150 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
+  --cases doc16-32k,doc128-32k,longshort-32k,causal-8k,full-8k
+timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
+  -k "dynamic" > "$OUT/pytest_dyn.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
