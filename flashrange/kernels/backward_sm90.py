@@ -9,7 +9,8 @@ Each kernel has its Triton twin's parameters (plus ``STAGES`` and
 ``NUM_WARPS``), work items, plan and arithmetic, so the gradients are
 deterministic and invariant to slice order and empty slices in the same
 way. On the Triton kernel's grid a program computes one work item; on a
-smaller (persistent) grid each program walks several (``sm90_common.nth_work``),
+smaller (persistent) grid each program walks several (``sm90_common.nth_work``,
+or with ``IS_DYNAMIC`` one by one from a counter, ``sm90_common.take_item``),
 with the same bits. The dQ kernel runs first and writes the ``(delta, lse * log2(e))``
 workspace that the dK/dV kernel reads. Both are warp-specialized like the
 Hopper forward: a producer warp issues every TMA load into a ring of

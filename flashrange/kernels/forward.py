@@ -332,7 +332,7 @@ class FwdConfig:
     # as one run of key tiles, each row masked by its own slice, when that takes fewer tiles
     # (docs/design.md, "Merged tiles").
     merge: bool = False
-    # Gluon persistent only: programs take their next work item from a shared counter as they
+    # Gluon only: programs take their next work item from a counter shared by the launch as they
     # finish one (the same order, no fixed share per program; docs/design.md, "Dynamic schedule").
     dynamic: bool = False
 
@@ -542,21 +542,20 @@ class _Recipe(NamedTuple):
     grid: tuple
     tail: tuple  # the arguments after the plan's four query-major tensors (a Gluon kernel's ticket left out)
     uses_tma: bool  # the kernel builds tensor descriptors: it needs Triton's allocator in this thread
-    ticket: str  # the Gluon kernel's last argument: "" (none: the Triton kernel), "fresh" or "stand-in"
+    is_gluon: bool  # the Gluon kernel: its last argument, the work counter, is this call's (_ticket)
+    dynamic: bool  # ... and the kernel takes its items from that counter
 
 
-def _ticket(kind, lse):
-    """The Gluon kernel's last argument: a zeroed counter of taken work items for a dynamic schedule
-    (``"fresh"``: each launch counts from 0), else a tensor of this call that it never touches."""
-    if kind == "fresh":
-        return torch.zeros(1, dtype=torch.int32, device=lse.device)
-    return lse
+def _ticket(dynamic, lse):
+    """The Gluon kernel's last argument: under a dynamic schedule a zeroed counter of taken work items, new
+    for each launch (each counts from 0); else a tensor of this call that the kernel never touches."""
+    return torch.zeros(1, dtype=torch.int32, device=lse.device) if dynamic else lse
 
 
 def _recorded_args(recipe, q, k, v, out, lse, rowmax, plan):
     """A recorded call's launch arguments: this call's tensors, then the recorded tail (see :func:`_launch`)."""
     args = (q, k, v, out, lse, lse if rowmax is None else rowmax, plan[0], plan[1], plan[2], plan[3]) + recipe.tail
-    return args + (_ticket(recipe.ticket, lse),) if recipe.ticket else args
+    return args + (_ticket(recipe.dynamic, lse),) if recipe.is_gluon else args
 
 
 def _signature(q, k, v, plan, softmax_scale, softcap, config, return_max_logits):
@@ -735,12 +734,8 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
         # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, ticket_ptr
-        dynamic = config.persistent and config.dynamic
-        ticket = "fresh" if dynamic else "stand-in"
-        args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), dynamic,
-                       _ticket(ticket, lse))
-    else:
-        ticket = ""
+        args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), config.dynamic,
+                       _ticket(config.dynamic, lse))
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)
@@ -748,7 +743,9 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
             handle = jit_launch(kernel, grid, args, config.num_warps, num_stages, maxnreg)
             if len(_RECIPES) >= _MAX_RECIPES:
                 _RECIPES.clear()
-            _RECIPES[sig] = _Recipe(handle, grid, args[10:-1] if ticket else args[10:], use_tma, ticket)
+            is_gluon = kernel is not _range_attn_fwd_kernel
+            _RECIPES[sig] = _Recipe(handle, grid, args[10:-1] if is_gluon else args[10:], use_tma, is_gluon,
+                                    config.dynamic)
     except Exception as e:  # noqa: BLE001 - any failure to build the Gluon kernel; others re-raise
         if kernel is _range_attn_fwd_kernel or not may_fall_back:
             raise

@@ -11,7 +11,8 @@ Same work items (a block of ``BLOCK_M`` query rows of one head, walking the
 slices of its plan window in order with one online softmax), heavy-first order
 and plan as the Triton kernel. On the Triton kernel's grid a program computes
 one item; on a persistent grid (the default config) each walks several
-(``sm90_common.nth_work``), with the same bits. What differs is the schedule,
+(``sm90_common.nth_work``), or with ``IS_DYNAMIC`` takes them one by one from a
+counter (``sm90_common.take_item``), with the same bits. What differs is the schedule,
 which Triton's compiler does not produce from the Triton kernel. The program is
 warp-specialized:
 
