@@ -2,7 +2,7 @@
 # The runs of one device call, edited per session (logs under $OUT). Left by the nineteenth session, which
 # could not start a GPU: the dynamic schedule (programs take their items from a counter; forward config
 # sm90pppmd, backward flag "dynamic") against the fixed zig-zag share of the defaults, then its GPU tests
-# (bitwise equal to the fixed share on every call; the forward's fuzzes). If it wins: make it the default
+# (bitwise equal to the fixed share on every call; the forward's fuzzes), then the plan A/B (carry "ab"). If it wins: make it the default
 # (forward._SM90_DEFAULTS, backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -16,8 +16,11 @@ ab() {  # name, time limit (s), ab.py args...
 }
 ab dyn 200 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
   --cases doc16-32k,doc128-32k,doc1024-32k,doc16-128k,longshort-32k,causal-8k,full-8k,swa2048-32k
-ab dynb 150 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
+ab dynb 130 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
   --cases doc16-32k,doc128-32k,longshort-32k,causal-8k,full-8k
-timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
+timeout 160 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
   -k "dynamic" > "$OUT/pytest_dyn.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
+# The plan's group maximum by integer atomics (scripts/pending/plan_group_atomic.patch, exported as ab/atomic).
+timeout 90 python scripts/plan_cost.py --against atomic > "$OUT/plan.log" 2>&1
+echo "plan rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| " "$OUT/plan.log"
