@@ -16,11 +16,11 @@ ab() {  # name, time limit (s), ab.py args...
 }
 ab dyn 200 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
   --cases doc16-32k,doc128-32k,doc1024-32k,doc16-128k,longshort-32k,causal-8k,full-8k,swa2048-32k
-ab dynb 130 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
-  --cases doc16-32k,doc128-32k,longshort-32k,causal-8k,full-8k
 timeout 160 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
   -k "dynamic" > "$OUT/pytest_dyn.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
+ab dynb 130 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
+  --cases doc16-32k,doc128-32k,longshort-32k,causal-8k,full-8k
 # The plan's group maximum by integer atomics (scripts/pending/plan_group_atomic.patch, exported as ab/atomic).
 timeout 90 python scripts/plan_cost.py --against atomic > "$OUT/plan.log" 2>&1
 echo "plan rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| " "$OUT/plan.log"
