@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT). Left by the nineteenth session, which
-# could not start a GPU: the dynamic schedule (programs take their items from a counter; forward config
-# sm90pppmd, backward flag "dynamic") against the fixed zig-zag share of the defaults, then its GPU tests
-# (bitwise equal to the fixed share on every call; the forward's fuzzes), then the plan A/B (carry "ab"). If it wins: make it the default
-# (forward._SM90_DEFAULTS, backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench.
+# The runs of one device call, edited per session (logs under $OUT; carry "ab"). Left by the nineteenth and
+# twentieth sessions, which could not start a GPU: the dynamic schedule (programs take their items from a
+# counter; forward config sm90pppmd, backward flag "dynamic") against the fixed zig-zag share of the defaults,
+# then its GPU tests (bitwise equal to the fixed share on every call; the forward's fuzzes), then the
+# backward A/B, then the plan's atomic group maximum (ab/atomic) - the most needed first, as device time may
+# run out mid-call. If the schedule wins: make it the default (forward._SM90_DEFAULTS,
+# backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench (scripts/fa4_bench.sh).
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
