@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT; carry "ab"). Left by the nineteenth and
-# twentieth sessions, which could not start a GPU: the dynamic schedule (programs take their items from a
-# counter; forward config sm90pppmd, backward flag "dynamic") against the fixed zig-zag share of the defaults,
-# then its GPU tests (bitwise equal to the fixed share on every call; the forward's fuzzes), then the
-# backward A/B, then the plan's atomic group maximum (ab/atomic) - the most needed first, as device time may
-# run out mid-call. If the schedule wins: make it the default (forward._SM90_DEFAULTS,
-# backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench (scripts/fa4_bench.sh).
+# The runs of one device call, edited per session (logs under $OUT; carry "ab"). Left by the nineteenth to
+# twenty-first sessions, which could not start a GPU: the forward's dynamic schedule (programs take their items
+# from a counter; config sm90pppmd) and the output sent by TMA from each item's last key tile (sm90pppmo, and
+# both: sm90pppmdo) against the default, then their GPU tests (bitwise equal to the default on every call),
+# then the backward's dynamic schedule (flag "dynamic"), then the plan's atomic group maximum (ab/atomic) -
+# the most needed first, as device time may run out mid-call. If a variant wins: make it the default
+# (forward._SM90_DEFAULTS, backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench
+# (scripts/fa4_bench.sh).
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,12 +22,12 @@ ab() {  # name, time limit (s), ab.py args...
 STEPS="${STEPS:-fwd tests bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has fwd; then
-  ab dyn 200 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
-    --cases doc16-32k,doc128-32k,doc1024-32k,doc16-128k,longshort-32k,causal-8k,full-8k,swa2048-32k
+  ab dyn 270 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 --fwd main:sm90pppmo_m128_n128_w4_s3 \
+    --fwd main:sm90pppmdo_m128_n128_w4_s3 --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k
 fi
 if has tests; then
-  timeout 160 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
-    -k "dynamic" > "$OUT/pytest_dyn.log" 2>&1
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
+    -k "dynamic or ring" > "$OUT/pytest_dyn.log" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
 fi
 if has bwd; then
