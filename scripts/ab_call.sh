@@ -22,8 +22,15 @@ ab() {  # name, time limit (s), ab.py args...
 STEPS="${STEPS:-fwd tests bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has fwd; then
-  ab dyn 270 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 --fwd main:sm90pppmo_m128_n128_w4_s3 \
-    --fwd main:sm90pppmdo_m128_n128_w4_s3 --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k
+  # The output-through-the-ring configs have never run: one bitwise test first (it also fills Triton's cache),
+  # so that a hang or a wrong result drops them from the A/B instead of costing the whole A/B.
+  ring="--fwd main:sm90pppmo_m128_n128_w4_s3 --fwd main:sm90pppmdo_m128_n128_w4_s3"
+  timeout 150 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py \
+    -k "output_through_the_ring and doc16-d128" > "$OUT/pytest_ring_smoke.log" 2>&1
+  rc=$?; echo "ring smoke rc=$rc" | tee -a "$OUT/rc.txt"; tail -3 "$OUT/pytest_ring_smoke.log"
+  [ $rc -eq 0 ] || ring=""
+  ab dyn 270 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 $ring \
+    --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k
 fi
 if has tests; then
   timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
