@@ -31,6 +31,8 @@ if has fwd; then
   [ $rc -eq 0 ] || ring=""
   ab dyn 270 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 $ring \
     --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k
+  # Kept on the warm machine for a second call (FlashAttention-4's bench of the pick; scripts/fa4_bench.sh).
+  mkdir -p /tmp/keep && cp "$OUT/dyn/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/dyn/ab.json"
 fi
 if has tests; then
   timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \

@@ -394,3 +394,38 @@ def test_trace_items_block_orders_are_permutations():
     assert orders["bucketed"] == [3, 6, 7, 1, 2, 5, 0, 4]
     for order in orders.values():
         assert sorted(order) == sorted(plan_order)
+
+
+def test_pick_default_takes_the_fastest_bitwise_variant_and_edits_a_copy(tmp_path):
+    """``scripts/pick_default.py`` (between the two calls of a device pair): the variant with the lowest mean time
+    over the default's wins, only if it was bitwise everywhere, lost no case by more than the limit and gained
+    enough; ``apply`` rewrites exactly the head-dim-128 entry of ``_SM90_DEFAULTS`` in the file it is given."""
+    pick_default = _script("pick_default")
+
+    def rows(variant, times, check="bitwise"):
+        return [{"dir": "fwd", "case": c, "variant": variant, "median_ms": t, "check": check}
+                for c, t in zip(("a", "b", "c"), times)]
+
+    base = rows("main:default", [1.0, 2.0, 4.0])
+    fast = rows("main:fast", [0.9, 1.8, 3.6])
+    faster_not_bitwise = rows("main:wrong", [0.5, 1.0, 2.0], check="rel 1.0e-03")
+    faster_one_case_lost = rows("main:uneven", [0.5, 1.0, 4.4])
+    slight = rows("main:slight", [0.995, 1.99, 3.98])
+    means = pick_default.ratios(base + fast + faster_not_bitwise + faster_one_case_lost + slight)
+    assert abs(means["main:fast"][0] - 0.9) < 1e-9 and means["main:fast"][2]
+    assert not means["main:wrong"][2] and abs(means["main:uneven"][1] - 1.1) < 1e-9
+    assert pick_default.pick(base + fast + faster_not_bitwise + faster_one_case_lost, 0.01, 0.03) == "fast"
+    assert pick_default.pick(base + faster_not_bitwise + faster_one_case_lost + slight, 0.01, 0.03) == "default"
+    # A variant cut short (not every case) is not judged.
+    assert "main:fast" not in pick_default.ratios(base + fast[:2])
+
+    source = (ROOT / "flashrange" / "kernels" / "forward.py").read_text()
+    copy = tmp_path / "forward.py"
+    copy.write_text(source)
+    pick_default.apply("sm90pppmdo_m128_n128_w4_s3", copy)
+    edited = copy.read_text()
+    before, after = source.splitlines(), edited.splitlines()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and len(changed) == 1
+    assert changed[0][1].strip() == '128: "sm90pppmdo_m128_n128_w4_s3",'
+    assert changed[0][0].strip().startswith("128: ")
