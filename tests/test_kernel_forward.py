@@ -30,7 +30,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     configs_for,
     range_attention_forward_triton,
 )
-from flashrange.kernels.common import merged_span  # noqa: E402
+from flashrange.kernels.common import MERGE_UNROLL, merged_rows, merged_span  # noqa: E402
 from flashrange.reference import range_attention_forward  # noqa: E402
 from golden import dense_counts, packed_document_rows  # noqa: E402
 
@@ -601,21 +601,31 @@ def _rows_tensors(rows):
 
 
 @triton.jit
-def _merge_decisions_kernel(slices_ptr, block_lo_ptr, block_hi_ptr, out_ptr, Tq, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+def _merge_decisions_kernel(slices_ptr, block_lo_ptr, block_hi_ptr, out_ptr, rows_ptr, Tq, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * BLOCK_M
-    is_merged, k_lo, n_tiles, k_end = merged_span(slices_ptr, tl.load(block_lo_ptr + pid),
-                                                  tl.load(block_hi_ptr + pid), r0, tl.minimum(r0 + BLOCK_M, Tq),
-                                                  BLOCK_N)
+    r1 = tl.minimum(r0 + BLOCK_M, Tq)
+    s_lo = tl.load(block_lo_ptr + pid)
+    s_hi = tl.load(block_hi_ptr + pid)
+    is_merged, k_lo, n_tiles, k_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, UNROLL)
     tl.store(out_ptr + pid * 4 + 0, is_merged.to(tl.int32))
     tl.store(out_ptr + pid * 4 + 1, k_lo)
     tl.store(out_ptr + pid * 4 + 2, n_tiles)
     tl.store(out_ptr + pid * 4 + 3, k_end)
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N, UNROLL)
+    row = rows_ptr + offs_m[:, None] * 5 + tl.arange(0, 1)[None, :]
+    tl.store(row, row_ok[:, None].to(tl.int32))
+    tl.store(row + 1, ks)
+    tl.store(row + 2, ke)
+    tl.store(row + 3, d_lo)
+    tl.store(row + 4, d_hi)
 
 
-def _merge_decisions(rows, Tq, Tk, block_n=64):
-    """Per plan block of the query-major plan: ``(is_merged, k_lo, n_tiles, k_end)`` of ``common.merged_span``."""
+def _merge_decisions(rows, Tq, Tk, block_n=64, unroll=1, with_rows=False):
+    """Per plan block of the query-major plan: ``(is_merged, k_lo, n_tiles, k_end)`` of ``common.merged_span``;
+    with ``with_rows``, also each row's ``(row_ok, ks, ke, d_lo, d_hi)`` of ``common.merged_rows``."""
     from flashrange import plan_mask
     from flashrange.constants import PLAN_BLOCK
 
@@ -623,9 +633,10 @@ def _merge_decisions(rows, Tq, Tk, block_n=64):
     plan = plan_mask(qr, kr, mt, Tq, Tk)
     n_blocks = plan.q_block_lo.shape[0]
     out = torch.full((n_blocks, 4), -7, dtype=torch.int32, device=DEV)
-    _merge_decisions_kernel[(n_blocks,)](plan.q_slices, plan.q_block_lo, plan.q_block_hi, out, Tq, PLAN_BLOCK,
-                                         block_n)
-    return out.cpu().tolist()
+    per_row = torch.full((n_blocks * PLAN_BLOCK, 5), -7, dtype=torch.int32, device=DEV)
+    _merge_decisions_kernel[(n_blocks,)](plan.q_slices, plan.q_block_lo, plan.q_block_hi, out, per_row, Tq,
+                                         PLAN_BLOCK, block_n, unroll)
+    return (out.cpu().tolist(), per_row.cpu().tolist()) if with_rows else out.cpu().tolist()
 
 
 @pytest.mark.parametrize(
@@ -647,13 +658,29 @@ def _merge_decisions(rows, Tq, Tk, block_n=64):
         pytest.param([(0, 128, 0, 128, CAUSAL)], 128, [[0]], id="one-slice"),
     ],
 )
-def test_merged_span_decisions(rows, T, want):
+@pytest.mark.parametrize("unroll", [1, 3, MERGE_UNROLL], ids=lambda u: f"unroll{u}")
+def test_merged_span_decisions(rows, T, want, unroll):
     """When a query block walks its slices as one run of tiles, from the definition: rows split between
-    slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``."""
-    got = _merge_decisions(rows, T, T)
+    slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``; the same whether the window's
+    slices are loaded one at a time or several at once (the Hopper consumers' ``MERGE_UNROLL``)."""
+    got = _merge_decisions(rows, T, T, unroll=unroll)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g[: len(w)] == w, (got, want)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])
+def test_merged_span_and_rows_do_not_depend_on_the_unroll(kind):
+    """Windows of up to dozens of slices (packed short documents, 128-row blocks), walked one slice at a time
+    and 3 or ``MERGE_UNROLL`` at once, so windows end inside a group and span several: every block's decision
+    and every row's own slice (``merged_rows``) come out the same."""
+    rng = random.Random(100 + len(kind))
+    Tq, Tk = 333, (290 if kind == "cross" else 333)
+    rows = packed_document_rows(kind, Tq, Tk, rng)
+    one = _merge_decisions(rows, Tq, Tk, unroll=1, with_rows=True)
+    assert any(d[0] == 1 for d in one[0]) or kind in ("cross", "gapped", "holes")
+    for unroll in (3, MERGE_UNROLL):
+        assert _merge_decisions(rows, Tq, Tk, unroll=unroll, with_rows=True) == one, unroll
 
 
 @pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])

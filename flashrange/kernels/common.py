@@ -49,6 +49,7 @@ __all__ = [
     "forward_walk",
     "merged_span",
     "merged_rows",
+    "MERGE_UNROLL",
     "tma_scratch",
     "ensure_tma_allocator",
     "gluon_sm90_ready",
@@ -87,6 +88,11 @@ DEV_BI_CAUSAL = tl.constexpr(BI_CAUSAL)
 # the slices one by one skips the mask on (the long document a short one follows).
 MERGE_MAX_TILES = 4
 DEV_MERGE_MAX_TILES = tl.constexpr(MERGE_MAX_TILES)
+# Slices of a window that merged_span and merged_rows load at once in the Hopper forward's consumers: a
+# block of short documents has a few of them, and one trip to memory per slice, made before the item's
+# first matmul, adds up. The Triton kernel and the Hopper producer (24 registers) walk them one by one.
+MERGE_UNROLL = 8
+DEV_MERGE_UNROLL = tl.constexpr(MERGE_UNROLL)
 
 
 # Per kernel: how each argument enters the cache key (see _key_plan).
@@ -473,24 +479,29 @@ def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_
 
 
 @triton.jit
-def _walk_slice(slices_ptr, s, r0, r1, BLOCK_N: tl.constexpr):
+def _walk_slice(slices_ptr, s, r0, r1, s_hi, BLOCK_N: tl.constexpr):
     """Slice ``s`` of a plan's slice table and the forward's walk of it for rows ``[r0, r1)``:
-    ``(qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles)``."""
+    ``(qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles)``. From ``s_hi`` on, an
+    empty slice of no type (no tiles): the window ends there."""
     row = slices_ptr + s * 5
-    qs = tl.load(row + 0)
-    qe = tl.load(row + 1)
-    ks = tl.load(row + 2)
-    ke = tl.load(row + 3)
-    has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, tl.load(row + 4),
-                                                                            BLOCK_N)
+    inside = s < s_hi
+    qs = tl.load(row + 0, mask=inside, other=0)
+    qe = tl.load(row + 1, mask=inside, other=0)
+    ks = tl.load(row + 2, mask=inside, other=0)
+    ke = tl.load(row + 3, mask=inside, other=0)
+    mtype = tl.load(row + 4, mask=inside, other=-1)
+    has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
     return qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles
 
 
 @triton.jit
-def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
+def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Whether rows ``[r0, r1)`` walk their window as one run of key tiles, each row masked by its own slice
     (docs/design.md, "Merged tiles"): ``(is_merged, k_lo, n_tiles, k_end)``, the run's tiles from ``k_lo``
     and the end of its slices' keys (keys from there must read as zeros).
+
+    ``UNROLL`` slices at a time, their loads independent of each other, so that a window of up to that many
+    slices costs one trip to memory instead of one per slice (a caller short of registers passes 1).
 
     Merged when the slices that meet the rows split them (no row in two), their keys form one interval
     with no gap (every key a tile loads is covered by some slice), and one run over their reach takes
@@ -505,42 +516,45 @@ def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
     k_end = r0 * 0
     first_ks = r0 * 0
     row_end = r0
-    for s in range(s_lo, s_hi):
-        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, s, r0, r1,
-                                                                                    BLOCK_N)
-        meets = n_t > 0
-        # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
-        # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
-        fits = (tl.maximum(qs, r0) >= row_end) & ((n_meet == 0) | ((ks >= first_ks) & (ks <= k_end)))
-        n_misfit += (meets & (fits == 0)).to(tl.int32)
-        first_ks = tl.where(meets & (n_meet == 0), ks, first_ks)
-        row_end = tl.where(meets, tl.minimum(qe, r1), row_end)
-        k_end = tl.where(meets, tl.maximum(k_end, ke), k_end)
-        k_lo = tl.where(meets, tl.minimum(k_lo, lo), k_lo)
-        k_hi = tl.where(meets, tl.maximum(k_hi, hi), k_hi)
-        n_sep += n_t
-        n_meet += meets.to(tl.int32)
+    for c in range(s_lo, s_hi, UNROLL):
+        for j in tl.static_range(UNROLL):
+            qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, c + j, r0,
+                                                                                        r1, s_hi, BLOCK_N)
+            meets = n_t > 0
+            # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
+            # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
+            fits = (tl.maximum(qs, r0) >= row_end) & ((n_meet == 0) | ((ks >= first_ks) & (ks <= k_end)))
+            n_misfit += (meets & (fits == 0)).to(tl.int32)
+            first_ks = tl.where(meets & (n_meet == 0), ks, first_ks)
+            row_end = tl.where(meets, tl.minimum(qe, r1), row_end)
+            k_end = tl.where(meets, tl.maximum(k_end, ke), k_end)
+            k_lo = tl.where(meets, tl.minimum(k_lo, lo), k_lo)
+            k_hi = tl.where(meets, tl.maximum(k_hi, hi), k_hi)
+            n_sep += n_t
+            n_meet += meets.to(tl.int32)
     n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
     is_merged = (n_misfit == 0) & (n_meet > 1) & (n_tiles < n_sep) & (n_tiles <= DEV_MERGE_MAX_TILES)
     return is_merged, k_lo, n_tiles, k_end
 
 
 @triton.jit
-def merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N: tl.constexpr):
+def merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """For merged tiles, each row of ``offs_m``'s own slice: ``(row_ok, ks, ke, d_lo, d_hi)``, the last four
-    as ``[rows, 1]`` columns (a row no slice covers has an empty key range)."""
+    as ``[rows, 1]`` columns (a row no slice covers has an empty key range). ``UNROLL`` as in
+    :func:`merged_span`."""
     row_ks = offs_m * 0
     row_ke = offs_m * 0
     row_dlo = offs_m * 0
     row_dhi = offs_m * 0
-    for s in range(s_lo, s_hi):
-        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, s, r0, r1,
-                                                                                    BLOCK_N)
-        mine = (offs_m >= qs) & (offs_m < qe) & (n_t > 0)
-        row_ks = tl.where(mine, ks, row_ks)
-        row_ke = tl.where(mine, ke, row_ke)
-        row_dhi = tl.where(mine, tl.where(has_upper, d_max, DEV_NO_DIAGONAL), row_dhi)
-        row_dlo = tl.where(mine, tl.where(has_lower, d_min, -DEV_NO_DIAGONAL), row_dlo)
+    for c in range(s_lo, s_hi, UNROLL):
+        for j in tl.static_range(UNROLL):
+            qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, c + j, r0,
+                                                                                        r1, s_hi, BLOCK_N)
+            mine = (offs_m >= qs) & (offs_m < qe) & (n_t > 0)
+            row_ks = tl.where(mine, ks, row_ks)
+            row_ke = tl.where(mine, ke, row_ke)
+            row_dhi = tl.where(mine, tl.where(has_upper, d_max, DEV_NO_DIAGONAL), row_dhi)
+            row_dlo = tl.where(mine, tl.where(has_lower, d_min, -DEV_NO_DIAGONAL), row_dlo)
     return row_ke > row_ks, row_ks[:, None], row_ke[:, None], row_dlo[:, None], row_dhi[:, None]
 
 

@@ -237,10 +237,10 @@ def _range_attn_fwd_kernel(
 
     s_end = s_hi
     if IS_MERGING and not IS_ONE_SLICE:
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, 1)
         if is_merged:
             # Every tile masked, each row by its own slice; keys from m_end on read as zeros.
-            row_ok_m, ks_m, ke_m, d_lo_m, d_hi_m = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
+            row_ok_m, ks_m, ke_m, d_lo_m, d_hi_m = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N, 1)
             if IS_TMA:
                 v_run_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(m_end, 1), DV],
                                                        strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV])
