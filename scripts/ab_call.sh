@@ -2,7 +2,8 @@
 # The runs of one device call, edited per session (logs under $OUT; carry "ab"). Left by the nineteenth to
 # twenty-first sessions, which could not start a GPU: the forward's dynamic schedule (programs take their items
 # from a counter; config sm90pppmd) and the output sent by TMA from each item's last key tile (sm90pppmo, and
-# both: sm90pppmdo) against the default, then their GPU tests (bitwise equal to the default on every call),
+# both: sm90pppmdo) against the default, and the default against the tree before the consumers' unrolled
+# window walk (ab/prev), then their GPU tests (bitwise equal to the default on every call),
 # then the backward's dynamic schedule (flag "dynamic"), then the plan's atomic group maximum (ab/atomic) -
 # the most needed first, as device time may run out mid-call. If a variant wins: make it the default
 # (forward._SM90_DEFAULTS, backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench
@@ -29,7 +30,8 @@ if has fwd; then
     -k "output_through_the_ring and doc16-d128" > "$OUT/pytest_ring_smoke.log" 2>&1
   rc=$?; echo "ring smoke rc=$rc" | tee -a "$OUT/rc.txt"; tail -3 "$OUT/pytest_ring_smoke.log"
   [ $rc -eq 0 ] || ring=""
-  ab dyn 270 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 $ring \
+  # prev: the tree before the consumers' unrolled window walk (bash scripts/ab_export.sh 3374239 prev).
+  ab dyn 300 --fuzz 4 --fwd main:default --fwd prev:default --fwd main:sm90pppmd_m128_n128_w4_s3 $ring \
     --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k
   # Kept on the warm machine for a second call (FlashAttention-4's bench of the pick; scripts/fa4_bench.sh).
   mkdir -p /tmp/keep && cp "$OUT/dyn/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/dyn/ab.json"

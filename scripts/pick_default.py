@@ -3,7 +3,7 @@
     python scripts/pick_default.py AB_JSON [--apply]
 
 ``AB_JSON``: the ``ab.json`` that ``scripts/ab.py --out`` wrote, with ``main:default`` among the forward
-variants. A variant qualifies when its output was bitwise that of ``main:default`` on every case and no
+variants. A config of this tree (``main:...``; other packages are yardsticks) qualifies when its output was bitwise that of ``main:default`` on every case and no
 case was more than ``--worst`` slower; of those, the one with the lowest geometric mean of its time over
 the default's wins, if that mean is below ``1 - --gain``. Prints every variant's mean and worst ratio and
 the pick (``default`` when none qualifies). With ``--apply`` it writes the pick into
@@ -47,7 +47,8 @@ def ratios(records):
 def pick(records, gain, worst):
     best, best_mean = "default", 1.0 - gain
     for variant, (mean, top, bitwise) in ratios(records).items():
-        if bitwise and top <= 1.0 + worst and mean < best_mean:
+        # Only configs of this tree: another package's (an exported earlier version) is a yardstick.
+        if variant.startswith("main:") and bitwise and top <= 1.0 + worst and mean < best_mean:
             best, best_mean = variant.split(":", 1)[1], mean
     return best
 

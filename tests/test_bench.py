@@ -416,6 +416,8 @@ def test_pick_default_takes_the_fastest_bitwise_variant_and_edits_a_copy(tmp_pat
     assert not means["main:wrong"][2] and abs(means["main:uneven"][1] - 1.1) < 1e-9
     assert pick_default.pick(base + fast + faster_not_bitwise + faster_one_case_lost, 0.01, 0.03) == "fast"
     assert pick_default.pick(base + faster_not_bitwise + faster_one_case_lost + slight, 0.01, 0.03) == "default"
+    # An exported earlier version is a yardstick, never the pick.
+    assert pick_default.pick(base + rows("prev:default", [0.5, 1.0, 2.0]), 0.01, 0.03) == "default"
     # A variant cut short (not every case) is not judged.
     assert "main:fast" not in pick_default.ratios(base + fast[:2])
 
