@@ -30,7 +30,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     configs_for,
     range_attention_forward_triton,
 )
-from flashrange.kernels.common import MERGE_UNROLL, merged_rows, merged_span  # noqa: E402
+from flashrange.kernels.common import MERGE_UNROLL, MERGE_UNROLL_SOFTCAP, merged_rows, merged_span  # noqa: E402
 from flashrange.reference import range_attention_forward  # noqa: E402
 from golden import dense_counts, packed_document_rows  # noqa: E402
 
@@ -658,7 +658,7 @@ def _merge_decisions(rows, Tq, Tk, block_n=64, unroll=1, with_rows=False):
         pytest.param([(0, 128, 0, 128, CAUSAL)], 128, [[0]], id="one-slice"),
     ],
 )
-@pytest.mark.parametrize("unroll", [1, 3, MERGE_UNROLL], ids=lambda u: f"unroll{u}")
+@pytest.mark.parametrize("unroll", sorted({1, 3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL}), ids=lambda u: f"unroll{u}")
 def test_merged_span_decisions(rows, T, want, unroll):
     """When a query block walks its slices as one run of tiles, from the definition: rows split between
     slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``; the same whether the window's
@@ -671,15 +671,15 @@ def test_merged_span_decisions(rows, T, want, unroll):
 
 @pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])
 def test_merged_span_and_rows_do_not_depend_on_the_unroll(kind):
-    """Windows of up to dozens of slices (packed short documents, 128-row blocks), walked one slice at a time
-    and 3 or ``MERGE_UNROLL`` at once, so windows end inside a group and span several: every block's decision
-    and every row's own slice (``merged_rows``) come out the same."""
+    """Windows of many slices (packed short documents, 128-row blocks), walked one slice at a time and several
+    at once (3, and those the Hopper kernel uses), so windows end inside a group and span several: every
+    block's decision and every row's own slice (``merged_rows``) come out the same."""
     rng = random.Random(100 + len(kind))
     Tq, Tk = 333, (290 if kind == "cross" else 333)
     rows = packed_document_rows(kind, Tq, Tk, rng)
     one = _merge_decisions(rows, Tq, Tk, unroll=1, with_rows=True)
     assert any(d[0] == 1 for d in one[0]) or kind in ("cross", "gapped", "holes")
-    for unroll in (3, MERGE_UNROLL):
+    for unroll in sorted({3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL}):
         assert _merge_decisions(rows, Tq, Tk, unroll=unroll, with_rows=True) == one, unroll
 
 

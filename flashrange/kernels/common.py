@@ -50,6 +50,7 @@ __all__ = [
     "merged_span",
     "merged_rows",
     "MERGE_UNROLL",
+    "MERGE_UNROLL_SOFTCAP",
     "tma_scratch",
     "ensure_tma_allocator",
     "gluon_sm90_ready",
@@ -90,9 +91,13 @@ MERGE_MAX_TILES = 4
 DEV_MERGE_MAX_TILES = tl.constexpr(MERGE_MAX_TILES)
 # Slices of a window that merged_span and merged_rows load at once in the Hopper forward's consumers: a
 # block of short documents has a few of them, and one trip to memory per slice, made before the item's
-# first matmul, adds up. The Triton kernel and the Hopper producer (24 registers) walk them one by one.
+# first matmul, adds up. With softcap fewer: at head dim 128 the wider unroll made ptxas spill more
+# inside the tile loop (BENCHMARKS.md, twenty-first session). The Hopper producer (24 registers) takes 2,
+# the Triton kernel 1.
 MERGE_UNROLL = 8
+MERGE_UNROLL_SOFTCAP = 2
 DEV_MERGE_UNROLL = tl.constexpr(MERGE_UNROLL)
+DEV_MERGE_UNROLL_SOFTCAP = tl.constexpr(MERGE_UNROLL_SOFTCAP)
 
 
 # Per kernel: how each argument enters the cache key (see _key_plan).

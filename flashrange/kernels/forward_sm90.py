@@ -41,8 +41,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import (DEV_LN2, DEV_MERGE_UNROLL, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows,
-                     merged_span, plan_program)
+from .common import (DEV_LN2, DEV_MERGE_UNROLL, DEV_MERGE_UNROLL_SOFTCAP, DEV_NO_DIAGONAL, forward_walk,
+                     full_tile_run, merged_rows, merged_span, plan_program)
 from .sm90_common import (bounded_desc, cta_barrier, issue_tiles, load_slice, nth_work, packed_qkv, post_item,
                           read_ticket, read_work, sched_buffers, store_rows, store_staged, take_item, tma_load,
                           wait_halves_free, wait_tiles_landed)
@@ -179,7 +179,8 @@ def _produce_work(
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
     if IS_MERGING:
         # One call site for both kinds of run, as in the consumers.
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, 1)
+        # Two slices at a time: more spill the producer's 24 registers (common.MERGE_UNROLL).
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, 2)
         n_runs = gl.where(is_merged, 1, s_hi - s_lo)
         for run in range(0, n_runs):
             if is_merged:
@@ -436,13 +437,16 @@ def _consume_work(
     if IS_MERGING:
         # One call site of the tile loop for both kinds of run (a merged run, or one slice's tiles with
         # its bounds as [HALF, 1] columns): two would be two inlined copies of the loop.
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, DEV_MERGE_UNROLL)
+        if HAS_SOFTCAP:
+            UNROLL: gl.constexpr = DEV_MERGE_UNROLL_SOFTCAP
+        else:
+            UNROLL: gl.constexpr = DEV_MERGE_UNROLL
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, UNROLL)
         n_runs = gl.where(is_merged, 1, s_hi - s_lo)
         zero_col = gl.expand_dims(offs_m * 0, 1)
         for run in range(0, n_runs):
             if is_merged:
-                row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N,
-                                                         DEV_MERGE_UNROLL)
+                row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N, UNROLL)
                 k_lo = m_lo
                 n_tiles = m_tiles
                 n_full_lo = m_lo * 0
