@@ -506,7 +506,9 @@ def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr, UNROLL: t
     and the end of its slices' keys (keys from there must read as zeros).
 
     ``UNROLL`` slices at a time, their loads independent of each other, so that a window of up to that many
-    slices costs one trip to memory instead of one per slice (a caller short of registers passes 1).
+    slices costs one trip to memory instead of one per slice (a caller short of registers passes 1). A
+    window of one slice never merges and reads nothing here; the run's values mean something only where
+    ``is_merged``.
 
     Merged when the slices that meet the rows split them (no row in two), their keys form one interval
     with no gap (every key a tile loads is covered by some slice), and one run over their reach takes
@@ -521,10 +523,12 @@ def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr, UNROLL: t
     k_end = r0 * 0
     first_ks = r0 * 0
     row_end = r0
-    for c in range(s_lo, s_hi, UNROLL):
+    # One slice cannot merge (n_meet > 1 below): dense masks skip the walk.
+    s_end = tl.where(s_hi - s_lo > 1, s_hi, s_lo)
+    for c in range(s_lo, s_end, UNROLL):
         for j in tl.static_range(UNROLL):
             qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, c + j, r0,
-                                                                                        r1, s_hi, BLOCK_N)
+                                                                                        r1, s_end, BLOCK_N)
             meets = n_t > 0
             # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
             # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
