@@ -18,10 +18,16 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-# STEPS picks the runs, in this order (all four by default); e.g. STEPS="fwd tests" when little device
-# time is left.
+# STEPS picks the runs, in this order (fwd, tests, bwd and plan by default); e.g. STEPS="fwd tests" when
+# little device time is left, STEPS=mini with a few minutes.
 STEPS="${STEPS:-fwd tests bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+if has mini; then
+  # For a call with a few minutes of device time: the unrolled window walk and the dynamic schedule on
+  # three cases, no fuzz (each variant is still compared with the default's output).
+  ab mini 170 --fwd main:default --fwd prev:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
+    --cases doc1024-32k,doc128-32k,causal-8k
+fi
 if has fwd; then
   # The output-through-the-ring configs have never run: one bitwise test first (it also fills Triton's cache),
   # so that a hang or a wrong result drops them from the A/B instead of costing the whole A/B.
