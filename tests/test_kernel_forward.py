@@ -30,7 +30,13 @@ from flashrange.kernels.forward import (  # noqa: E402
     configs_for,
     range_attention_forward_triton,
 )
-from flashrange.kernels.common import MERGE_UNROLL, MERGE_UNROLL_SOFTCAP, merged_rows, merged_span  # noqa: E402
+from flashrange.kernels.common import (  # noqa: E402
+    MERGE_UNROLL,
+    MERGE_UNROLL_PRODUCER,
+    MERGE_UNROLL_SOFTCAP,
+    merged_rows,
+    merged_span,
+)
 from flashrange.reference import range_attention_forward  # noqa: E402
 from golden import dense_counts, packed_document_rows  # noqa: E402
 
@@ -658,7 +664,7 @@ def _merge_decisions(rows, Tq, Tk, block_n=64, unroll=1, with_rows=False):
         pytest.param([(0, 128, 0, 128, CAUSAL)], 128, [[0]], id="one-slice"),
     ],
 )
-@pytest.mark.parametrize("unroll", sorted({1, 3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL}), ids=lambda u: f"unroll{u}")
+@pytest.mark.parametrize("unroll", sorted({1, 3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL_PRODUCER, MERGE_UNROLL}), ids=lambda u: f"unroll{u}")
 def test_merged_span_decisions(rows, T, want, unroll):
     """When a query block walks its slices as one run of tiles, from the definition: rows split between
     slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``; the same whether the window's
@@ -679,7 +685,7 @@ def test_merged_span_and_rows_do_not_depend_on_the_unroll(kind):
     rows = packed_document_rows(kind, Tq, Tk, rng)
     one = _merge_decisions(rows, Tq, Tk, unroll=1, with_rows=True)
     assert any(d[0] == 1 for d in one[0]) or kind in ("cross", "gapped", "holes")
-    for unroll in sorted({3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL}):
+    for unroll in sorted({3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL_PRODUCER, MERGE_UNROLL}):
         assert _merge_decisions(rows, Tq, Tk, unroll=unroll, with_rows=True) == one, unroll
 
 

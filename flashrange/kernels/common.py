@@ -32,6 +32,9 @@ __all__ = [
     "DEV_CAUSAL",
     "DEV_INV_CAUSAL",
     "DEV_BI_CAUSAL",
+    "DEV_MERGE_UNROLL",
+    "DEV_MERGE_UNROLL_SOFTCAP",
+    "DEV_MERGE_UNROLL_PRODUCER",
     "slice_row",
     "slice_diagonals",
     "tanh_exp2",
@@ -51,6 +54,7 @@ __all__ = [
     "merged_rows",
     "MERGE_UNROLL",
     "MERGE_UNROLL_SOFTCAP",
+    "MERGE_UNROLL_PRODUCER",
     "tma_scratch",
     "ensure_tma_allocator",
     "gluon_sm90_ready",
@@ -92,12 +96,14 @@ DEV_MERGE_MAX_TILES = tl.constexpr(MERGE_MAX_TILES)
 # Slices of a window that merged_span and merged_rows load at once in the Hopper forward's consumers: a
 # block of short documents has a few of them, and one trip to memory per slice, made before the item's
 # first matmul, adds up. With softcap fewer: at head dim 128 the wider unroll made ptxas spill more
-# inside the tile loop (BENCHMARKS.md, twenty-first session). The Hopper producer (24 registers) takes 2,
-# the Triton kernel 1.
+# inside the tile loop (BENCHMARKS.md, twenty-first session). The Hopper producer has 24 registers: more
+# than 2 spill there. The Triton kernel walks one (its interpreter, in CI, pays per operation).
 MERGE_UNROLL = 8
 MERGE_UNROLL_SOFTCAP = 2
+MERGE_UNROLL_PRODUCER = 2
 DEV_MERGE_UNROLL = tl.constexpr(MERGE_UNROLL)
 DEV_MERGE_UNROLL_SOFTCAP = tl.constexpr(MERGE_UNROLL_SOFTCAP)
+DEV_MERGE_UNROLL_PRODUCER = tl.constexpr(MERGE_UNROLL_PRODUCER)
 
 
 # Per kernel: how each argument enters the cache key (see _key_plan).

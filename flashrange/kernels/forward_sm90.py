@@ -41,8 +41,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import (DEV_LN2, DEV_MERGE_UNROLL, DEV_MERGE_UNROLL_SOFTCAP, DEV_NO_DIAGONAL, forward_walk,
-                     full_tile_run, merged_rows, merged_span, plan_program)
+from .common import (DEV_LN2, DEV_MERGE_UNROLL, DEV_MERGE_UNROLL_PRODUCER, DEV_MERGE_UNROLL_SOFTCAP,
+                     DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span, plan_program)
 from .sm90_common import (bounded_desc, cta_barrier, issue_tiles, load_slice, nth_work, packed_qkv, post_item,
                           read_ticket, read_work, sched_buffers, store_rows, store_staged, take_item, tma_load,
                           wait_halves_free, wait_tiles_landed)
@@ -179,8 +179,8 @@ def _produce_work(
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
     if IS_MERGING:
         # One call site for both kinds of run, as in the consumers.
-        # Two slices at a time: more spill the producer's 24 registers (common.MERGE_UNROLL).
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, 2)
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N,
+                                                      DEV_MERGE_UNROLL_PRODUCER)
         n_runs = gl.where(is_merged, 1, s_hi - s_lo)
         for run in range(0, n_runs):
             if is_merged:
