@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The runs of one device call, edited per session (logs under $OUT; carry "ab"). Left by the nineteenth to
-# twenty-first sessions, which could not start a GPU: the forward's dynamic schedule (programs take their items
-# from a counter; config sm90pppmd) and the output sent by TMA from each item's last key tile (sm90pppmo, and
-# both: sm90pppmdo) against the default, and the default against the tree before the consumers' unrolled
-# window walk (ab/prev), then their GPU tests (bitwise equal to the default on every call),
+# twenty-second sessions, which could not start a GPU: the forward's dynamic schedule (programs take their items
+# from a counter; config sm90pppmd), with and without passes over the heads (ab/unroll: before them), and the
+# output sent by TMA from each item's last key tile (sm90pppmo, and both: sm90pppmdo) against the default, and
+# the default against the tree before the consumers' unrolled window walk (ab/prev), then their GPU tests
+# (bitwise equal to the default on every call),
 # then the backward's dynamic schedule (flag "dynamic"), then the plan's atomic group maximum (ab/atomic) -
 # the most needed first, as device time may run out mid-call. If a variant wins: make it the default
 # (forward._SM90_DEFAULTS, backward._default_config), run scripts/gpu_suite.sh, then FlashAttention-4's bench
@@ -26,6 +27,7 @@ if has mini; then
   # For a call with a few minutes of device time: the unrolled window walk and the dynamic schedule on
   # three cases, no fuzz (each variant is still compared with the default's output).
   ab mini 170 --fwd main:default --fwd prev:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
+    --fwd unroll:sm90pppmd_m128_n128_w4_s3 \
     --cases doc1024-32k,doc128-32k,causal-8k
 fi
 if has fwd; then
@@ -39,19 +41,23 @@ if has fwd; then
     rc=$?; echo "ring smoke rc=$rc" | tee -a "$OUT/rc.txt"; tail -3 "$OUT/pytest_ring_smoke.log"
     [ $rc -eq 0 ] && ring="--fwd main:sm90pppmo_m128_n128_w4_s3 --fwd main:sm90pppmdo_m128_n128_w4_s3"
   fi
-  # prev: the tree before the consumers' unrolled window walk (bash scripts/ab_export.sh 3374239 prev).
-  ab dyn 300 --fuzz 4 --fwd main:default --fwd prev:default --fwd main:sm90pppmd_m128_n128_w4_s3 $ring \
-    --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k
+  # prev: the tree before the consumers' unrolled window walk (bash scripts/ab_export.sh 3374239 prev);
+  # unroll: the tree before the passes over the heads, which only the dynamic schedule takes
+  # (bash scripts/ab_export.sh c637790 unroll).
+  ab dyn 360 --fuzz 4 --fwd main:default --fwd prev:default \
+    --fwd main:sm90pppmd_m128_n128_w4_s3 --fwd unroll:sm90pppmd_m128_n128_w4_s3 $ring \
+    --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k,doc16-128k
   # Kept on the warm machine for a second call (FlashAttention-4's bench of the pick; scripts/fa4_bench.sh).
   mkdir -p /tmp/keep && cp "$OUT/dyn/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/dyn/ab.json"
 fi
 if has tests; then
   timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
-    -k "dynamic or ring or merg or many_short" > "$OUT/pytest_dyn.log" 2>&1
+    -k "dynamic or ring or merg or many_short or passes" > "$OUT/pytest_dyn.log" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
 fi
 if has bwd; then
-  ab dynb 130 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
+  ab dynb 160 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
+    --bwd "unroll:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
     --cases doc16-32k,doc128-32k,longshort-32k,causal-8k,full-8k
 fi
 if has plan; then

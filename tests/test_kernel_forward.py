@@ -594,7 +594,7 @@ def test_hopper_kernel_takes_the_triton_kernels_arguments():
     assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True),
                                             ("HAS_PACKED_HEADS", True), ("IS_DYNAMIC", True),
                                             ("IS_O_IN_RING", True), ("ticket_ptr", False)]
-    assert gluon_free == triton_free == ["GROUP", "Tk", "Tq"]
+    assert gluon_free == triton_free == ["GROUP", "Tk", "Tq", "pass_heads"]
 
 
 # ---------------------------------------------------------------------------------------------

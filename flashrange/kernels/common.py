@@ -48,6 +48,10 @@ __all__ = [
     "key_span",
     "full_row_run",
     "plan_program",
+    "heads_per_pass",
+    "pass_budget",
+    "L2_PASS_SHARE",
+    "INTERPRETER_PASS_BYTES",
     "query_span",
     "forward_walk",
     "merged_span",
@@ -240,6 +244,37 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# A pass over the plan's blocks takes as many heads as keep the operands that its items stream (the keys and
+# values, in the forward) within this share of the L2 cache: the items in flight at once then read the
+# tensors of few heads, which stay cached, where a single pass over all heads reads them from memory again
+# for every block (docs/design.md, "Passes over the heads").
+L2_PASS_SHARE = 2 / 3
+# Under the interpreter there is no cache; a small stand-in makes the tests run several passes.
+INTERPRETER_PASS_BYTES = 32 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def pass_budget(device: torch.device) -> int:
+    """Bytes of streamed operands one pass over the plan's blocks may touch on ``device``."""
+    if device.type != "cuda" or interpreting():
+        return INTERPRETER_PASS_BYTES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(_l2_bytes(index) * L2_PASS_SHARE)
+
+
+def heads_per_pass(n_heads: int, group: int, group_bytes: int, budget: int) -> int:
+    """Heads of one pass over the plan's blocks (:func:`plan_program`): whole groups of ``group`` heads that
+    stream the same ``group_bytes`` (the query heads of one key/value head), as many groups as fit ``budget``,
+    at least one, at most ``n_heads`` heads. From shapes and the device only: the order never changes a
+    result's bits."""
+    groups = max(1, budget // max(1, group_bytes))
+    return min(n_heads, groups * group)
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -401,18 +436,27 @@ def slice_diagonals(qs, qe, ks, ke, mtype):
 
 
 @triton.jit
-def plan_program(pid, n_heads, T, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT: tl.constexpr,
+def plan_program(pid, n_heads, pass_heads, T, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT: tl.constexpr,
                  BLOCK: tl.constexpr):
     """What program ``pid`` of a plan's grid owns: ``(head, start, end, s_lo, s_hi)``.
 
-    Programs walk the plan's blocks heaviest first (``block_order``), all heads
-    of one block side by side; a block is ``SPLIT`` tiles of ``BLOCK`` rows (or
-    keys), and the program owns tile ``[start, end)`` of it, clipped at ``T``,
-    and reads the block's window of slices ``[s_lo, s_hi)``. Every kernel, Triton
-    or Gluon, forward or backward, maps its grid this way.
+    Programs walk the plan's blocks heaviest first (``block_order``) in passes:
+    a pass takes ``pass_heads`` heads (the last pass the rest) over every
+    block, the heads of one block side by side. A block is ``SPLIT`` tiles of
+    ``BLOCK`` rows (or keys); the program owns tile ``[start, end)`` of it,
+    clipped at ``T``, and reads the block's window of slices ``[s_lo, s_hi)``.
+    With ``pass_heads >= n_heads`` it is one pass: all heads of a block side
+    by side. Every kernel, Triton or Gluon, forward or backward, maps its grid
+    this way (docs/design.md, "Passes over the heads").
     """
-    head = pid % n_heads
-    rank = pid // n_heads
+    n_ranks = (T + BLOCK * SPLIT - 1) // (BLOCK * SPLIT) * SPLIT
+    per_pass = pass_heads * n_ranks
+    p = pid // per_pass
+    local = pid - p * per_pass
+    first = p * pass_heads
+    width = tl.minimum(pass_heads, n_heads - first)
+    head = first + local % width
+    rank = local // width
     block = tl.load(block_order_ptr + rank // SPLIT)
     start = (block * SPLIT + rank % SPLIT) * BLOCK
     return head, start, tl.minimum(start + BLOCK, T), tl.load(block_lo_ptr + block), tl.load(block_hi_ptr + block)
