@@ -165,7 +165,7 @@ def _bwd_dkdv_kernel(
         D = BLOCK_D
     if not IS_DV_PADDED:
         DV = BLOCK_DV
-    # Heaviest key blocks first; all heads of one block are neighbours in the grid.
+    # Heaviest key blocks first, in passes over the heads; the heads of one pass and block are neighbours.
     # A program owns tile pid // Hkv % SPLIT of its plan block and reads the block's window.
     pid_hk, c0, c1, s_lo, s_hi = plan_program(tl.program_id(0), Hkv, pass_heads, Tk, block_order_ptr, block_lo_ptr,
                                               block_hi_ptr, SPLIT, BLOCK_N)
