@@ -23,29 +23,35 @@ ab() {  # name, time limit (s), ab.py args...
 # little device time is left, STEPS=mini with a few minutes.
 STEPS="${STEPS:-fwd tests bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# The dynamic schedule and the output-through-the-ring configs have never run: one bitwise test of each first
+# (it also fills Triton's cache), so that a hang or a wrong result drops them from the A/B instead of costing
+# the whole A/B. RING=0 leaves the ring out (a call with little device time left).
+smoke() {
+  local k="dynamic_schedule_is_bitwise_the_same and doc16"
+  [ "${RING:-1}" = 1 ] && k="($k) or (output_through_the_ring and doc16-d128)"
+  timeout "$1" python -m pytest -v -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py -k "$k" \
+    > "$OUT/pytest_smoke.log" 2>&1
+  echo "smoke rc=$?" | tee -a "$OUT/rc.txt"; grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_smoke.log" | head -5
+  dyn=""; ring=""
+  grep -q "dynamic_schedule_is_bitwise_the_same\[doc16\] PASSED" "$OUT/pytest_smoke.log" && \
+    dyn="--fwd main:sm90pppmd_m128_n128_w4_s3 --fwd unroll:sm90pppmd_m128_n128_w4_s3"
+  grep -q "output_through_the_ring_is_bitwise_the_same\[doc16-d128\] PASSED" "$OUT/pytest_smoke.log" && \
+    ring="--fwd main:sm90pppmo_m128_n128_w4_s3 --fwd main:sm90pppmdo_m128_n128_w4_s3"
+}
 if has mini; then
-  # For a call with a few minutes of device time: the unrolled window walk and the dynamic schedule on
-  # three cases, no fuzz (each variant is still compared with the default's output).
-  ab mini 170 --fwd main:default --fwd prev:default --fwd main:sm90pppmd_m128_n128_w4_s3 \
-    --fwd unroll:sm90pppmd_m128_n128_w4_s3 \
-    --cases doc1024-32k,doc128-32k,causal-8k
+  # For a call with a few minutes of device time: the unrolled window walk and the dynamic schedule (with and
+  # without passes over the heads) on four cases, no fuzz (each variant is still compared with the default's
+  # output).
+  RING=0 smoke 90
+  ab mini 200 --fwd main:default --fwd prev:default $dyn --cases doc16-32k,doc128-32k,causal-8k,doc16-128k
+  mkdir -p /tmp/keep && cp "$OUT/mini/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/mini/ab.json"
 fi
 if has fwd; then
-  # The output-through-the-ring configs have never run: one bitwise test first (it also fills Triton's cache),
-  # so that a hang or a wrong result drops them from the A/B instead of costing the whole A/B.
-  # RING=0 leaves them out (a call with little device time left).
-  ring=""
-  if [ "${RING:-1}" = 1 ]; then
-    timeout 150 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py \
-      -k "output_through_the_ring and doc16-d128" > "$OUT/pytest_ring_smoke.log" 2>&1
-    rc=$?; echo "ring smoke rc=$rc" | tee -a "$OUT/rc.txt"; tail -3 "$OUT/pytest_ring_smoke.log"
-    [ $rc -eq 0 ] && ring="--fwd main:sm90pppmo_m128_n128_w4_s3 --fwd main:sm90pppmdo_m128_n128_w4_s3"
-  fi
+  smoke 200
   # prev: the tree before the consumers' unrolled window walk (bash scripts/ab_export.sh 3374239 prev);
   # unroll: the tree before the passes over the heads, which only the dynamic schedule takes
   # (bash scripts/ab_export.sh c637790 unroll).
-  ab dyn 360 --fuzz 4 --fwd main:default --fwd prev:default \
-    --fwd main:sm90pppmd_m128_n128_w4_s3 --fwd unroll:sm90pppmd_m128_n128_w4_s3 $ring \
+  ab dyn 330 --fuzz 4 --fwd main:default --fwd prev:default $dyn $ring \
     --cases doc16-32k,doc128-32k,doc1024-32k,causal-8k,full-8k,swa2048-32k,doc16-128k
   # Kept on the warm machine for a second call (FlashAttention-4's bench of the pick; scripts/fa4_bench.sh).
   mkdir -p /tmp/keep && cp "$OUT/dyn/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/dyn/ab.json"
