@@ -246,8 +246,8 @@ def sm_count(device_index: int) -> int:
 
 # A pass over the plan's blocks takes as many heads as keep the operands that its items stream (the keys and
 # values, in the forward) within this share of the L2 cache: the items in flight at once then read the
-# tensors of few heads, which stay cached, where a single pass over all heads reads them from memory again
-# for every block (docs/design.md, "Passes over the heads").
+# tensors of few heads, which can stay cached, where with every head in flight they may not fit
+# (docs/design.md, "Passes over the heads"; untimed: scripts/ab_call.sh times it).
 L2_PASS_SHARE = 2 / 3
 # Under the interpreter there is no cache; a small stand-in makes the tests run several passes.
 INTERPRETER_PASS_BYTES = 32 * 1024
