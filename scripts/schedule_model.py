@@ -12,11 +12,8 @@ trace on an H100 (BENCHMARKS.md). Two schedules:
   ``2P + p``, ...);
 - ``dynamic``: each program takes the next item of the list when it is done with its previous one.
 
-Items go in the kernels' order: passes over the heads (``kernels.common.heads_per_pass`` on an ``--l2-mib``
-cache; ``--one-pass`` puts every head in one pass, the order before the passes), in each the plan's blocks
-with the pass's heads side by side. Prints, per case and schedule, the busiest program's load over the mean
-(1.0 is a perfect share) and that load in milliseconds at ``--ghz``. The model has no cache: it tells what
-the passes cost in balance, not what they save in memory traffic.
+Prints, per case and schedule, the busiest program's load over the mean (1.0 is a perfect share) and that
+load in milliseconds at ``--ghz``.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ import torch
 
 from flashrange.bench.cases import select
 from flashrange.constants import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, PLAN_BLOCK
-from flashrange.kernels.common import L2_PASS_SHARE, heads_per_pass
 from flashrange.plan import build_plan_torch
 
 
@@ -88,25 +84,17 @@ def main():
     ap.add_argument("--tile", type=float, default=2900.0, help="cost per key tile (cycles)")
     ap.add_argument("--tile-keys", type=int, default=128)
     ap.add_argument("--ghz", type=float, default=1.755)
-    ap.add_argument("--l2-mib", type=float, default=50.0, help="the device's L2 cache (H100 and H200: 50)")
-    ap.add_argument("--one-pass", action="store_true", help="every head in one pass (the order before passes)")
     args = ap.parse_args()
-    print("| case | heads per pass | items | tiles per item | fixed: max / mean | dynamic: max / mean | fixed ms "
-          "| dynamic ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| case | items | tiles per item | fixed: max / mean | dynamic: max / mean | fixed ms | dynamic ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for case in select(args.cases):
         mask = case.build("cpu").mask
         plan = build_plan_torch(*mask.tensors(), case.T, case.T)
         tiles = item_tiles(plan, args.tile_keys)
         order = plan.q_block_order.tolist()
-        dv = case.Dv or case.D
-        width = case.Hq if args.one_pass else heads_per_pass(
-            case.Hq, case.Hq // case.Hkv, case.T * (case.D + dv) * 2, int(args.l2_mib * 2**20 * L2_PASS_SHARE))
-        # Passes of `width` heads, each over every block (the head of an item does not change its cost).
-        costs = [args.item + args.tile * tiles[b]
-                 for first in range(0, case.Hq, width) for b in order for _ in range(min(width, case.Hq - first))]
+        costs = [args.item + args.tile * tiles[order[w // case.Hq]] for w in range(len(order) * case.Hq)]
         mean = sum(costs) / args.programs
-        row = [case.name, str(width), str(len(costs)), f"{sum(tiles) / len(tiles):.1f}"]
+        row = [case.name, str(len(costs)), f"{sum(tiles) / len(tiles):.1f}"]
         peaks = [max(loads(costs, args.programs, s)) for s in ("fixed", "dynamic")]
         row += [f"{p / mean:.3f}" for p in peaks] + [f"{p / args.ghz / 1e6:.3f}" for p in peaks]
         print("| " + " | ".join(row) + " |")

@@ -697,28 +697,3 @@ def test_default_call_splits_few_kv_items_on_hopper():
     for config in (split, None):
         again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=config)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
-
-
-@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
-@pytest.mark.parametrize("persistent", [False, True], ids=["one-program-per-item", "dynamic"])
-@pytest.mark.parametrize("D", [128, 64], ids=["d128", "d64"])
-def test_gluon_passes_over_the_heads_keep_the_bits(D, persistent, monkeypatch):
-    """Where programs take their items as they finish (one program per item, the dynamic schedule), both
-    Gluon kernels in passes of 1 and 3 heads (a pass ends inside a GQA group; the last is short) give the
-    bits of one pass over every head and of the default (the fixed share, one pass). At test sizes the
-    device's budget takes every head in one pass, so the widths are forced."""
-    from flashrange.kernels import backward as bwd
-
-    T, Hq, Hkv = 2999, 8, 4
-    rows = _docs(T, 9, 5) + [(0, T, 0, 700, FULL)]
-    cfg = _gluon_config(D, D, torch.bfloat16, persistent=persistent, dynamic=persistent)
-    q, k, v, do, dlse = _inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, 17)
-    qr, kr, mt = _ranges(rows)
-    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt, None)
-    base = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
-                                           config=_gluon_config(D, D, torch.bfloat16, persistent=True))
-    for width in (Hq, 1, 3):
-        monkeypatch.setattr(bwd, "heads_per_pass", lambda n_heads, group, group_bytes, budget, w=width: w)
-        got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=cfg)
-        assert all(torch.equal(a, b) for a, b in zip(got, base)), width
-    _three_way(T, T, Hq, Hkv, D, D, rows, torch.bfloat16, seed=17, config=cfg)

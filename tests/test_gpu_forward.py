@@ -657,30 +657,3 @@ def test_hopper_merging_keeps_the_bits_where_no_block_merges(kind):
     plain = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90ppp_m128_n128_w4_s3")
     merging = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pppm_m128_n128_w4_s3")
     assert torch.equal(plain[0], merging[0]) and torch.equal(plain[1], merging[1])
-
-
-@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("config", [
-    pytest.param("sm90pppmd_m128_n128_w4_s3", id="dynamic"),
-    pytest.param("sm90pppmdo_m128_n128_w4_s3", id="dynamic-ring"),
-    pytest.param("sm90pp_m128_n128_w4_s3", id="one-program-per-item"),
-])
-@pytest.mark.parametrize("kind", ["causal", "doc16", "short"])
-def test_hopper_passes_over_the_heads_keep_the_bits(kind, config, monkeypatch):
-    """Where programs take their items as they finish (the dynamic schedule, one program per item), passes
-    of 1 and 3 heads (a pass ends inside a GQA group of 2; the last pass is short) give the bits of one pass
-    over all 8 heads, and those of the default (the fixed share, one pass). At test sizes the device's
-    budget takes every head in one pass, so the widths are forced."""
-    from flashrange.kernels import forward as fwd
-
-    T = 3001
-    q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=31)
-    qr, kr, mt = _short_mask(T, 300, 7) if kind == "short" else _mask(kind, T, 6)
-    base = _run(q, k, v, qr, kr, mt, 128 ** -0.5)
-    check_three_way(q, k, v, qr.to(DEV), kr.to(DEV), mt.to(DEV), 128 ** -0.5, 0.0, *base)
-    for width in (8, 1, 3):
-        monkeypatch.setattr(fwd, "heads_per_pass", lambda n_heads, group, group_bytes, budget, w=width: w)
-        poison = torch.full((T, 8, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
-        del poison
-        out, lse = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config=config)
-        assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), width

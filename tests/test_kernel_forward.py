@@ -30,13 +30,7 @@ from flashrange.kernels.forward import (  # noqa: E402
     configs_for,
     range_attention_forward_triton,
 )
-from flashrange.kernels.common import (  # noqa: E402
-    MERGE_UNROLL,
-    MERGE_UNROLL_PRODUCER,
-    MERGE_UNROLL_SOFTCAP,
-    merged_rows,
-    merged_span,
-)
+from flashrange.kernels.common import merged_span  # noqa: E402
 from flashrange.reference import range_attention_forward  # noqa: E402
 from golden import dense_counts, packed_document_rows  # noqa: E402
 
@@ -594,7 +588,7 @@ def test_hopper_kernel_takes_the_triton_kernels_arguments():
     assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True),
                                             ("HAS_PACKED_HEADS", True), ("IS_DYNAMIC", True),
                                             ("IS_O_IN_RING", True), ("ticket_ptr", False)]
-    assert gluon_free == triton_free == ["GROUP", "Tk", "Tq", "pass_heads"]
+    assert gluon_free == triton_free == ["GROUP", "Tk", "Tq"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,31 +601,21 @@ def _rows_tensors(rows):
 
 
 @triton.jit
-def _merge_decisions_kernel(slices_ptr, block_lo_ptr, block_hi_ptr, out_ptr, rows_ptr, Tq, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+def _merge_decisions_kernel(slices_ptr, block_lo_ptr, block_hi_ptr, out_ptr, Tq, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     r0 = pid * BLOCK_M
-    r1 = tl.minimum(r0 + BLOCK_M, Tq)
-    s_lo = tl.load(block_lo_ptr + pid)
-    s_hi = tl.load(block_hi_ptr + pid)
-    is_merged, k_lo, n_tiles, k_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, UNROLL)
+    is_merged, k_lo, n_tiles, k_end = merged_span(slices_ptr, tl.load(block_lo_ptr + pid),
+                                                  tl.load(block_hi_ptr + pid), r0, tl.minimum(r0 + BLOCK_M, Tq),
+                                                  BLOCK_N)
     tl.store(out_ptr + pid * 4 + 0, is_merged.to(tl.int32))
     tl.store(out_ptr + pid * 4 + 1, k_lo)
     tl.store(out_ptr + pid * 4 + 2, n_tiles)
     tl.store(out_ptr + pid * 4 + 3, k_end)
-    offs_m = r0 + tl.arange(0, BLOCK_M)
-    row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N, UNROLL)
-    row = rows_ptr + offs_m[:, None] * 5 + tl.arange(0, 1)[None, :]
-    tl.store(row, row_ok[:, None].to(tl.int32))
-    tl.store(row + 1, ks)
-    tl.store(row + 2, ke)
-    tl.store(row + 3, d_lo)
-    tl.store(row + 4, d_hi)
 
 
-def _merge_decisions(rows, Tq, Tk, block_n=64, unroll=1, with_rows=False):
-    """Per plan block of the query-major plan: ``(is_merged, k_lo, n_tiles, k_end)`` of ``common.merged_span``;
-    with ``with_rows``, also each row's ``(row_ok, ks, ke, d_lo, d_hi)`` of ``common.merged_rows``."""
+def _merge_decisions(rows, Tq, Tk, block_n=64):
+    """Per plan block of the query-major plan: ``(is_merged, k_lo, n_tiles, k_end)`` of ``common.merged_span``."""
     from flashrange import plan_mask
     from flashrange.constants import PLAN_BLOCK
 
@@ -639,10 +623,9 @@ def _merge_decisions(rows, Tq, Tk, block_n=64, unroll=1, with_rows=False):
     plan = plan_mask(qr, kr, mt, Tq, Tk)
     n_blocks = plan.q_block_lo.shape[0]
     out = torch.full((n_blocks, 4), -7, dtype=torch.int32, device=DEV)
-    per_row = torch.full((n_blocks * PLAN_BLOCK, 5), -7, dtype=torch.int32, device=DEV)
-    _merge_decisions_kernel[(n_blocks,)](plan.q_slices, plan.q_block_lo, plan.q_block_hi, out, per_row, Tq,
-                                         PLAN_BLOCK, block_n, unroll)
-    return (out.cpu().tolist(), per_row.cpu().tolist()) if with_rows else out.cpu().tolist()
+    _merge_decisions_kernel[(n_blocks,)](plan.q_slices, plan.q_block_lo, plan.q_block_hi, out, Tq, PLAN_BLOCK,
+                                         block_n)
+    return out.cpu().tolist()
 
 
 @pytest.mark.parametrize(
@@ -664,29 +647,13 @@ def _merge_decisions(rows, Tq, Tk, block_n=64, unroll=1, with_rows=False):
         pytest.param([(0, 128, 0, 128, CAUSAL)], 128, [[0]], id="one-slice"),
     ],
 )
-@pytest.mark.parametrize("unroll", sorted({1, 3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL_PRODUCER, MERGE_UNROLL}), ids=lambda u: f"unroll{u}")
-def test_merged_span_decisions(rows, T, want, unroll):
+def test_merged_span_decisions(rows, T, want):
     """When a query block walks its slices as one run of tiles, from the definition: rows split between
-    slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``; the same whether the window's
-    slices are loaded one at a time or several at once (the Hopper consumers' ``MERGE_UNROLL``)."""
-    got = _merge_decisions(rows, T, T, unroll=unroll)
+    slices, keys one interval, fewer tiles, at most ``MERGE_MAX_TILES``."""
+    got = _merge_decisions(rows, T, T)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g[: len(w)] == w, (got, want)
-
-
-@pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])
-def test_merged_span_and_rows_do_not_depend_on_the_unroll(kind):
-    """Windows of many slices (packed short documents, 128-row blocks), walked one slice at a time and several
-    at once (3, and those the Hopper kernel uses), so windows end inside a group and span several: every
-    block's decision and every row's own slice (``merged_rows``) come out the same."""
-    rng = random.Random(100 + len(kind))
-    Tq, Tk = 333, (290 if kind == "cross" else 333)
-    rows = packed_document_rows(kind, Tq, Tk, rng)
-    one = _merge_decisions(rows, Tq, Tk, unroll=1, with_rows=True)
-    assert any(d[0] == 1 for d in one[0]) or kind in ("cross", "gapped", "holes")
-    for unroll in sorted({3, MERGE_UNROLL_SOFTCAP, MERGE_UNROLL_PRODUCER, MERGE_UNROLL}):
-        assert _merge_decisions(rows, Tq, Tk, unroll=unroll, with_rows=True) == one, unroll
 
 
 @pytest.mark.parametrize("kind", ["tiny", "mixed", "cross", "gapped", "holes"])

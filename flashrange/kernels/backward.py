@@ -52,8 +52,6 @@ from .common import (
     ensure_tma_allocator,
     full_row_run,
     gluon_sm90_ready,
-    heads_per_pass,
-    pass_budget,
     interpreting,
     key_block,
     key_span,
@@ -147,10 +145,10 @@ def _dkdv_tiles(
 
 # Sizes and head counts vary from call to call; specializing on them (== 1,
 # divisible by 16) would build a new kernel for each combination.
-@triton.jit(do_not_specialize=["pass_heads", "Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
 def _bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr,
-    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, Hkv, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -165,9 +163,9 @@ def _bwd_dkdv_kernel(
         D = BLOCK_D
     if not IS_DV_PADDED:
         DV = BLOCK_DV
-    # Heaviest key blocks first, in passes over the heads; the heads of one pass and block are neighbours.
+    # Heaviest key blocks first; all heads of one block are neighbours in the grid.
     # A program owns tile pid // Hkv % SPLIT of its plan block and reads the block's window.
-    pid_hk, c0, c1, s_lo, s_hi = plan_program(tl.program_id(0), Hkv, pass_heads, Tk, block_order_ptr, block_lo_ptr,
+    pid_hk, c0, c1, s_lo, s_hi = plan_program(tl.program_id(0), Hkv, Tk, block_order_ptr, block_lo_ptr,
                                               block_hi_ptr, SPLIT, BLOCK_N)
     offs_n, offs_d, offs_dv, mask_n, cols, hk, k, v, dk, dv = key_block(
         k_ptr, v_ptr, pid_hk, c0, Tk, D, DV, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, BLOCK_D, BLOCK_DV,
@@ -279,10 +277,10 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=["pass_heads", "Tq", "Tk", "Hq", "G", "D", "DV"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr,
-    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
@@ -298,8 +296,8 @@ def _bwd_dq_kernel(
         D = BLOCK_D
     if not IS_DV_PADDED:
         DV = BLOCK_DV
-    pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, pass_heads, Tq, block_order_ptr, block_lo_ptr,
-                                             block_hi_ptr, SPLIT, BLOCK_M)
+    pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
+                                             SPLIT, BLOCK_M)
     offs_m = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -588,20 +586,12 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         if not has_dlse:
             dlse = lse  # never read
         G = Hq // Hkv
-        # Passes over the heads where programs take their items as they finish (the Triton kernels' grid,
-        # the dynamic schedule); the persistent kernels' fixed share keeps one (docs/design.md §5).
-        persistent = gluon and cfg.persistent and dev.type == "cuda"
-        fixed_dq = persistent and cfg.gluon_dq and not cfg.dynamic
-        fixed_dkdv = persistent and cfg.gluon_dkdv and not cfg.dynamic
-        budget = pass_budget(dev)
         # One stride() call per tensor (each is a call into torch).
         sq, sk, sv, sdo, so, sl, sdl = (t.stride() for t in (q, k, v, dout, out, lse, dlse))
         sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
         dq_args = (
             q, k, v, dout, out, lse, dlse, ws, dq,
             plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
-            # A dQ item streams its KV head's keys and values.
-            Hq if fixed_dq else heads_per_pass(Hq, G, Tk * (D + Dv) * k.element_size(), budget),
             Tq, Tk, Hq, G, D, Dv,
             sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
             sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1], sdq[0], sdq[1],
@@ -628,9 +618,6 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         dkdv_args = (
             q, kx, vx, dout, ws, dkx, dvx,
             plan.k_slices, plan.k_block_lo, plan.k_block_hi, plan.k_block_order,
-            # A dK/dV item streams its query heads' q and dO, and their delta and lse rows.
-            Hkv * chunks if fixed_dkdv else heads_per_pass(
-                Hkv * chunks, 1, Tq * (G // chunks) * ((D + Dv) * q.element_size() + 8), budget),
             Tq, Tk, Hq, Hkv * chunks, G // chunks, D, Dv,
             sq[0], sq[1], skx[0], skx[1], svx[0], svx[1],
             sdo[0], sdo[1], sdkx[0], sdkx[1], sdvx[0], sdvx[1],

@@ -218,7 +218,7 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
               HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
               IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
-    block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads = ptrs[8]
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
     stride_qt, stride_kt, stride_vt, stride_dot = scalars[7], scalars[9], scalars[11], scalars[13]
     n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
@@ -240,8 +240,7 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
     if IS_DYNAMIC:
         w = take_item(sched[0])
         while w < n_work:
-            work = plan_program(w, Hkv, pass_heads, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT,
-                                BLOCK_N)
+            work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             post_item(sched, kv_free, wi, w, work)
             it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b,
                                                              packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
@@ -257,8 +256,7 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
             # The last round is short: some programs have no item in it.
             if w < n_work:
                 wait_halves_free(kv_free, wi)
-                work = plan_program(w, Hkv, pass_heads, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT,
-                                    BLOCK_N)
+                work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
                 it, n_pairs, last_a, last_b = _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a,
                                                                  last_b, packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                                                                  STAGES, HAS_PACKED_HEADS)
@@ -441,7 +439,7 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
               IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
               IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
-    block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads = ptrs[8]
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
     Tk, Hkv = scalars[1], scalars[3]
     n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
@@ -461,8 +459,7 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
         for i in range(0, gl.cdiv(n_work, n_prog)):
             w = nth_work(i, n_prog)
             if w < n_work:
-                work = plan_program(w, Hkv, pass_heads, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT,
-                                    BLOCK_N)
+                work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
                 mbarrier.wait(kv_ready.index(J), wi & 1)
                 it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                                         HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
@@ -479,10 +476,10 @@ def _consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.con
               IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
 
 
-@gluon.jit(do_not_specialize=["pass_heads", "Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
+@gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
 def bwd_dkdv_sm90_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr,
-    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, Hkv, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -529,8 +526,8 @@ def bwd_dkdv_sm90_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     # Runtime values only in the tuple variables (a constexpr stored in one reaches the partitions as a tensor).
-    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr,
-            (block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads))
+    ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr,
+                                                                             block_order_ptr))
     smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem)
     scalars = (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
@@ -600,7 +597,7 @@ def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
                  STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
                  IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
-    block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads = ptrs[10]
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Tk, Hq, G = scalars[0], scalars[1], scalars[2], scalars[3]
     stride_qt, stride_kt, stride_vt = scalars[6], scalars[8], scalars[10]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
@@ -619,8 +616,7 @@ def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
     if IS_DYNAMIC:
         w = take_item(sched[0])
         while w < n_work:
-            work = plan_program(w, Hq, pass_heads, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT,
-                                BLOCK_M)
+            work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
             post_item(sched, q_free, wi, w, work)
             it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
                                                         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
@@ -634,8 +630,7 @@ def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
             w = nth_work(i, n_prog)
             if w < n_work:
                 wait_halves_free(q_free, wi)
-                work = plan_program(w, Hq, pass_heads, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT,
-                                    BLOCK_M)
+                work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
                 it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b,
                                                             packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                             HAS_PACKED_HEADS)
@@ -797,7 +792,7 @@ def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
                  STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
                  IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
-    block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads = ptrs[10]
+    block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Hq = scalars[0], scalars[2]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     it = 0
@@ -816,8 +811,7 @@ def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
         for i in range(0, gl.cdiv(n_work, n_prog)):
             w = nth_work(i, n_prog)
             if w < n_work:
-                work = plan_program(w, Hq, pass_heads, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT,
-                                    BLOCK_M)
+                work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
                 it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                                       HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, J)
                 wi += 1
@@ -832,10 +826,10 @@ def _dq_consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.
                  STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
 
 
-@gluon.jit(do_not_specialize=["pass_heads", "Tq", "Tk", "Hq", "G", "D", "DV"])
+@gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
 def bwd_dq_sm90_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr,
-    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq, G, D, DV,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
@@ -871,7 +865,7 @@ def bwd_dq_sm90_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr,
-            (block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads))
+            (block_lo_ptr, block_hi_ptr, block_order_ptr))
     smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty)
     scalars = (Tq, Tk, Hq, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
                stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh, stride_dqt, stride_dqh,

@@ -32,9 +32,6 @@ __all__ = [
     "DEV_CAUSAL",
     "DEV_INV_CAUSAL",
     "DEV_BI_CAUSAL",
-    "DEV_MERGE_UNROLL",
-    "DEV_MERGE_UNROLL_SOFTCAP",
-    "DEV_MERGE_UNROLL_PRODUCER",
     "slice_row",
     "slice_diagonals",
     "tanh_exp2",
@@ -48,17 +45,10 @@ __all__ = [
     "key_span",
     "full_row_run",
     "plan_program",
-    "heads_per_pass",
-    "pass_budget",
-    "L2_PASS_SHARE",
-    "INTERPRETER_PASS_BYTES",
     "query_span",
     "forward_walk",
     "merged_span",
     "merged_rows",
-    "MERGE_UNROLL",
-    "MERGE_UNROLL_SOFTCAP",
-    "MERGE_UNROLL_PRODUCER",
     "tma_scratch",
     "ensure_tma_allocator",
     "gluon_sm90_ready",
@@ -97,17 +87,6 @@ DEV_BI_CAUSAL = tl.constexpr(BI_CAUSAL)
 # the slices one by one skips the mask on (the long document a short one follows).
 MERGE_MAX_TILES = 4
 DEV_MERGE_MAX_TILES = tl.constexpr(MERGE_MAX_TILES)
-# Slices of a window that merged_span and merged_rows load at once in the Hopper forward's consumers: a
-# block of short documents has a few of them, and one trip to memory per slice, made before the item's
-# first matmul, adds up. With softcap fewer: at head dim 128 the wider unroll made ptxas spill more
-# inside the tile loop (BENCHMARKS.md, twenty-first session). The Hopper producer has 24 registers: more
-# than 2 spill there. The Triton kernel walks one (its interpreter, in CI, pays per operation).
-MERGE_UNROLL = 8
-MERGE_UNROLL_SOFTCAP = 2
-MERGE_UNROLL_PRODUCER = 2
-DEV_MERGE_UNROLL = tl.constexpr(MERGE_UNROLL)
-DEV_MERGE_UNROLL_SOFTCAP = tl.constexpr(MERGE_UNROLL_SOFTCAP)
-DEV_MERGE_UNROLL_PRODUCER = tl.constexpr(MERGE_UNROLL_PRODUCER)
 
 
 # Per kernel: how each argument enters the cache key (see _key_plan).
@@ -242,37 +221,6 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, maxnreg=None):
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device: the grid of a persistent kernel (one program per SM)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# A pass over the plan's blocks takes as many heads as keep the operands that its items stream (the keys and
-# values, in the forward) within this share of the L2 cache: the items in flight at once then read the
-# tensors of few heads, which can stay cached, where with every head in flight they may not fit
-# (docs/design.md, "Passes over the heads"; untimed: scripts/ab_call.sh times it).
-L2_PASS_SHARE = 2 / 3
-# Under the interpreter there is no cache; a small stand-in makes the tests run several passes.
-INTERPRETER_PASS_BYTES = 32 * 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
-
-
-def pass_budget(device: torch.device) -> int:
-    """Bytes of streamed operands one pass over the plan's blocks may touch on ``device``."""
-    if device.type != "cuda" or interpreting():
-        return INTERPRETER_PASS_BYTES
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(_l2_bytes(index) * L2_PASS_SHARE)
-
-
-def heads_per_pass(n_heads: int, group: int, group_bytes: int, budget: int) -> int:
-    """Heads of one pass over the plan's blocks (:func:`plan_program`): whole groups of ``group`` heads that
-    stream the same ``group_bytes`` (the query heads of one key/value head), as many groups as fit ``budget``,
-    at least one, at most ``n_heads`` heads. From shapes and the device only: the order never changes a
-    result's bits."""
-    groups = max(1, budget // max(1, group_bytes))
-    return min(n_heads, groups * group)
 
 
 def interpreting() -> bool:
@@ -436,27 +384,18 @@ def slice_diagonals(qs, qe, ks, ke, mtype):
 
 
 @triton.jit
-def plan_program(pid, n_heads, pass_heads, T, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT: tl.constexpr,
+def plan_program(pid, n_heads, T, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT: tl.constexpr,
                  BLOCK: tl.constexpr):
     """What program ``pid`` of a plan's grid owns: ``(head, start, end, s_lo, s_hi)``.
 
-    Programs walk the plan's blocks heaviest first (``block_order``) in passes:
-    a pass takes ``pass_heads`` heads (the last pass the rest) over every
-    block, the heads of one block side by side. A block is ``SPLIT`` tiles of
-    ``BLOCK`` rows (or keys); the program owns tile ``[start, end)`` of it,
-    clipped at ``T``, and reads the block's window of slices ``[s_lo, s_hi)``.
-    With ``pass_heads >= n_heads`` it is one pass: all heads of a block side
-    by side. Every kernel, Triton or Gluon, forward or backward, maps its grid
-    this way (docs/design.md, "Passes over the heads").
+    Programs walk the plan's blocks heaviest first (``block_order``), all heads
+    of one block side by side; a block is ``SPLIT`` tiles of ``BLOCK`` rows (or
+    keys), and the program owns tile ``[start, end)`` of it, clipped at ``T``,
+    and reads the block's window of slices ``[s_lo, s_hi)``. Every kernel, Triton
+    or Gluon, forward or backward, maps its grid this way.
     """
-    n_ranks = (T + BLOCK * SPLIT - 1) // (BLOCK * SPLIT) * SPLIT
-    per_pass = pass_heads * n_ranks
-    p = pid // per_pass
-    local = pid - p * per_pass
-    first = p * pass_heads
-    width = tl.minimum(pass_heads, n_heads - first)
-    head = first + local % width
-    rank = local // width
+    head = pid % n_heads
+    rank = pid // n_heads
     block = tl.load(block_order_ptr + rank // SPLIT)
     start = (block * SPLIT + rank % SPLIT) * BLOCK
     return head, start, tl.minimum(start + BLOCK, T), tl.load(block_lo_ptr + block), tl.load(block_hi_ptr + block)
@@ -534,31 +473,24 @@ def full_tile_run(h0, h1, qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_
 
 
 @triton.jit
-def _walk_slice(slices_ptr, s, r0, r1, s_hi, BLOCK_N: tl.constexpr):
+def _walk_slice(slices_ptr, s, r0, r1, BLOCK_N: tl.constexpr):
     """Slice ``s`` of a plan's slice table and the forward's walk of it for rows ``[r0, r1)``:
-    ``(qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles)``. From ``s_hi`` on, an
-    empty slice of no type (no tiles): the window ends there."""
+    ``(qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles)``."""
     row = slices_ptr + s * 5
-    inside = s < s_hi
-    qs = tl.load(row + 0, mask=inside, other=0)
-    qe = tl.load(row + 1, mask=inside, other=0)
-    ks = tl.load(row + 2, mask=inside, other=0)
-    ke = tl.load(row + 3, mask=inside, other=0)
-    mtype = tl.load(row + 4, mask=inside, other=-1)
-    has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
+    qs = tl.load(row + 0)
+    qe = tl.load(row + 1)
+    ks = tl.load(row + 2)
+    ke = tl.load(row + 3)
+    has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, tl.load(row + 4),
+                                                                            BLOCK_N)
     return qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles
 
 
 @triton.jit
-def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr):
     """Whether rows ``[r0, r1)`` walk their window as one run of key tiles, each row masked by its own slice
     (docs/design.md, "Merged tiles"): ``(is_merged, k_lo, n_tiles, k_end)``, the run's tiles from ``k_lo``
     and the end of its slices' keys (keys from there must read as zeros).
-
-    ``UNROLL`` slices at a time, their loads independent of each other, so that a window of up to that many
-    slices costs one trip to memory instead of one per slice (a caller short of registers passes 1). A
-    window of one slice never merges and reads nothing here; the run's values mean something only where
-    ``is_merged``.
 
     Merged when the slices that meet the rows split them (no row in two), their keys form one interval
     with no gap (every key a tile loads is covered by some slice), and one run over their reach takes
@@ -573,47 +505,42 @@ def merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N: tl.constexpr, UNROLL: t
     k_end = r0 * 0
     first_ks = r0 * 0
     row_end = r0
-    # One slice cannot merge (n_meet > 1 below): dense masks skip the walk.
-    s_end = tl.where(s_hi - s_lo > 1, s_hi, s_lo)
-    for c in range(s_lo, s_end, UNROLL):
-        for j in tl.static_range(UNROLL):
-            qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, c + j, r0,
-                                                                                        r1, s_end, BLOCK_N)
-            meets = n_t > 0
-            # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
-            # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
-            fits = (tl.maximum(qs, r0) >= row_end) & ((n_meet == 0) | ((ks >= first_ks) & (ks <= k_end)))
-            n_misfit += (meets & (fits == 0)).to(tl.int32)
-            first_ks = tl.where(meets & (n_meet == 0), ks, first_ks)
-            row_end = tl.where(meets, tl.minimum(qe, r1), row_end)
-            k_end = tl.where(meets, tl.maximum(k_end, ke), k_end)
-            k_lo = tl.where(meets, tl.minimum(k_lo, lo), k_lo)
-            k_hi = tl.where(meets, tl.maximum(k_hi, hi), k_hi)
-            n_sep += n_t
-            n_meet += meets.to(tl.int32)
+    for s in range(s_lo, s_hi):
+        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, s, r0, r1,
+                                                                                    BLOCK_N)
+        meets = n_t > 0
+        # The canonical order sorts by (qs, ks): the rows split iff each slice starts at or after the
+        # rows of the one before; the keys have no gap iff each slice starts inside their union so far.
+        fits = (tl.maximum(qs, r0) >= row_end) & ((n_meet == 0) | ((ks >= first_ks) & (ks <= k_end)))
+        n_misfit += (meets & (fits == 0)).to(tl.int32)
+        first_ks = tl.where(meets & (n_meet == 0), ks, first_ks)
+        row_end = tl.where(meets, tl.minimum(qe, r1), row_end)
+        k_end = tl.where(meets, tl.maximum(k_end, ke), k_end)
+        k_lo = tl.where(meets, tl.minimum(k_lo, lo), k_lo)
+        k_hi = tl.where(meets, tl.maximum(k_hi, hi), k_hi)
+        n_sep += n_t
+        n_meet += meets.to(tl.int32)
     n_tiles = tl.cdiv(tl.maximum(k_hi - k_lo, 0), BLOCK_N)
     is_merged = (n_misfit == 0) & (n_meet > 1) & (n_tiles < n_sep) & (n_tiles <= DEV_MERGE_MAX_TILES)
     return is_merged, k_lo, n_tiles, k_end
 
 
 @triton.jit
-def merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+def merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N: tl.constexpr):
     """For merged tiles, each row of ``offs_m``'s own slice: ``(row_ok, ks, ke, d_lo, d_hi)``, the last four
-    as ``[rows, 1]`` columns (a row no slice covers has an empty key range). ``UNROLL`` as in
-    :func:`merged_span`."""
+    as ``[rows, 1]`` columns (a row no slice covers has an empty key range)."""
     row_ks = offs_m * 0
     row_ke = offs_m * 0
     row_dlo = offs_m * 0
     row_dhi = offs_m * 0
-    for c in range(s_lo, s_hi, UNROLL):
-        for j in tl.static_range(UNROLL):
-            qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, c + j, r0,
-                                                                                        r1, s_hi, BLOCK_N)
-            mine = (offs_m >= qs) & (offs_m < qe) & (n_t > 0)
-            row_ks = tl.where(mine, ks, row_ks)
-            row_ke = tl.where(mine, ke, row_ke)
-            row_dhi = tl.where(mine, tl.where(has_upper, d_max, DEV_NO_DIAGONAL), row_dhi)
-            row_dlo = tl.where(mine, tl.where(has_lower, d_min, -DEV_NO_DIAGONAL), row_dlo)
+    for s in range(s_lo, s_hi):
+        qs, qe, ks, ke, has_upper, d_max, has_lower, d_min, lo, hi, n_t = _walk_slice(slices_ptr, s, r0, r1,
+                                                                                    BLOCK_N)
+        mine = (offs_m >= qs) & (offs_m < qe) & (n_t > 0)
+        row_ks = tl.where(mine, ks, row_ks)
+        row_ke = tl.where(mine, ke, row_ke)
+        row_dhi = tl.where(mine, tl.where(has_upper, d_max, DEV_NO_DIAGONAL), row_dhi)
+        row_dlo = tl.where(mine, tl.where(has_lower, d_min, -DEV_NO_DIAGONAL), row_dlo)
     return row_ke > row_ks, row_ks[:, None], row_ke[:, None], row_dlo[:, None], row_dhi[:, None]
 
 

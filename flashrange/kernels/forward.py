@@ -51,8 +51,6 @@ from .common import (
     forward_walk,
     full_tile_run,
     gluon_sm90_ready,
-    heads_per_pass,
-    pass_budget,
     interpreting,
     jit_launch,
     launch,
@@ -170,10 +168,10 @@ def _tile_step(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["pass_heads", "Tq", "Tk", "GROUP"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "GROUP"])
 def _range_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr,
-    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_mt,
@@ -184,16 +182,14 @@ def _range_attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr, IS_BF16_EMULATED: tl.constexpr, IS_INT64: tl.constexpr,
     HAS_MAX_LOGITS: tl.constexpr, IS_ONE_SLICE: tl.constexpr, IS_MERGING: tl.constexpr,
 ):
-    """1-D grid of ``n_plan_blocks * SPLIT * Hq`` programs, ranked heaviest first in passes over the heads.
+    """1-D grid of ``n_plan_blocks * SPLIT * Hq`` programs, ranked heaviest first over all heads.
 
-    A pass takes ``pass_heads`` heads (whole GQA groups) over every plan block
-    (``common.plan_program``); in it, program ``pid`` takes a tile of plan block
-    ``block_order[...]`` for one of the pass's heads, the heads of a block side
-    by side. The hardware starts programs in ``pid`` order, so each pass's
-    heavy blocks start before its light ones (longest-processing-time order),
-    the query heads that share a key/value head run side by side, and the
-    items in flight read the keys and values of few heads (L2 reuse). A tile
-    reads its plan block's window (``SPLIT`` tiles of ``BLOCK_M`` rows per block).
+    Program ``pid`` takes tile ``pid // Hq % SPLIT`` of plan block
+    ``block_order[pid // (Hq * SPLIT)]``, head ``pid % Hq``: the hardware
+    starts programs in ``pid`` order, so every head's heavy blocks start
+    before any light one (longest-processing-time order), and the query heads
+    that share a key/value head run side by side (L2 reuse). A tile reads its
+    plan block's window (``SPLIT`` tiles of ``BLOCK_M`` rows per block).
 
     ``slices`` ``(S, 5)`` int32 rows ``(qs, qe, ks, ke, type)``, already clamped;
     ``block_lo/hi`` give each query block's window into them. With
@@ -204,8 +200,8 @@ def _range_attn_fwd_kernel(
     slices split its rows and whose keys form one interval may walk them as
     one run of tiles (``common.merged_span``).
     """
-    pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, pass_heads, Tq, block_order_ptr, block_lo_ptr,
-                                             block_hi_ptr, SPLIT, BLOCK_M)
+    pid_h, r0, r1, s_lo, s_hi = plan_program(tl.program_id(0), Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
+                                             SPLIT, BLOCK_M)
     pid_kvh = pid_h // GROUP
 
     offs_m = r0 + tl.arange(0, BLOCK_M)
@@ -241,10 +237,10 @@ def _range_attn_fwd_kernel(
 
     s_end = s_hi
     if IS_MERGING and not IS_ONE_SLICE:
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, 1)
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
         if is_merged:
             # Every tile masked, each row by its own slice; keys from m_end on read as zeros.
-            row_ok_m, ks_m, ke_m, d_lo_m, d_hi_m = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N, 1)
+            row_ok_m, ks_m, ke_m, d_lo_m, d_hi_m = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
             if IS_TMA:
                 v_run_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(m_end, 1), DV],
                                                        strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV])
@@ -717,17 +713,10 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
     else:
         cap_in, cap_out = 0.0, 0.0
     grid = (n_blocks * Hq,)
-    is_gluon = config.gluon and use_tma
-    # Passes over the heads where programs take their items as they finish (one program per item, the
-    # dynamic schedule); the persistent kernel's fixed share keeps one (docs/design.md §5).
-    fixed_share = is_gluon and config.persistent and not config.dynamic and q.device.type == "cuda"
     args = (
         # Without max logits the kernel never touches the row-max pointer: lse stands in.
         q, k, v, out, lse, lse if rowmax is None else rowmax,
         plan.q_slices, plan.q_block_lo, plan.q_block_hi, plan.q_block_order,
-        # Each item streams its KV head's keys and values.
-        Hq if fixed_share else heads_per_pass(Hq, Hq // Hkv, Tk * (D + Dv) * k.element_size(),
-                                              pass_budget(q.device)),
         Tq, Tk, Hq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), 0 if rowmax is None else rowmax.stride(0),
@@ -746,7 +735,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         config.merge,  # IS_MERGING
     )
     kernel, num_stages, maxnreg = _range_attn_fwd_kernel, config.num_stages, None
-    if is_gluon:
+    if config.gluon and use_tma:
         # Without TMA-aligned inputs a Gluon config's tiles run on the Triton kernel's pointer path.
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
@@ -761,6 +750,7 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
             handle = jit_launch(kernel, grid, args, config.num_warps, num_stages, maxnreg)
             if len(_RECIPES) >= _MAX_RECIPES:
                 _RECIPES.clear()
+            is_gluon = kernel is not _range_attn_fwd_kernel
             _RECIPES[sig] = _Recipe(handle, grid, args[10:-1] if is_gluon else args[10:], use_tma, is_gluon,
                                     config.dynamic)
     except Exception as e:  # noqa: BLE001 - any failure to build the Gluon kernel; others re-raise

@@ -41,8 +41,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .common import (DEV_LN2, DEV_MERGE_UNROLL, DEV_MERGE_UNROLL_PRODUCER, DEV_MERGE_UNROLL_SOFTCAP,
-                     DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span, plan_program)
+from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
+                     plan_program)
 from .sm90_common import (bounded_desc, cta_barrier, issue_tiles, load_slice, nth_work, packed_qkv, post_item,
                           read_ticket, read_work, sched_buffers, store_rows, store_staged, take_item, tma_load,
                           wait_halves_free, wait_tiles_landed)
@@ -82,12 +82,10 @@ def _softmax_step(
 
 
 @gluon.jit
-def _work(w, Hq, GROUP, Tq, order, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work item ``w`` (the program ``w`` of the one-program-per-item grid): ``(pid_h, pid_kvh, r0, r1, s_lo, s_hi)``.
-    ``order``: the plan's block windows and order, and the heads per pass over it."""
-    block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads = order
-    pid_h, r0, r1, s_lo, s_hi = plan_program(w, Hq, pass_heads, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr,
-                                             SPLIT, BLOCK_M)
+def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item ``w`` (the program ``w`` of the one-program-per-item grid): ``(pid_h, pid_kvh, r0, r1, s_lo, s_hi)``."""
+    block_lo_ptr, block_hi_ptr, block_order_ptr = order_ptrs
+    pid_h, r0, r1, s_lo, s_hi = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
     return pid_h, pid_h // GROUP, r0, r1, s_lo, s_hi
 
 
@@ -152,7 +150,7 @@ def _produce_work(
     ``it``. ``n_sl`` counts bounded slices so far (the value descriptor's call site alternates); ``last_a`` /
     ``last_b`` is the last tile through each value descriptor. Returns them advanced. ``packed``: the
     program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order = ptrs
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready = smem
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
@@ -181,8 +179,7 @@ def _produce_work(
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
     if IS_MERGING:
         # One call site for both kinds of run, as in the consumers.
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N,
-                                                      DEV_MERGE_UNROLL_PRODUCER)
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
         n_runs = gl.where(is_merged, 1, s_hi - s_lo)
         for run in range(0, n_runs):
             if is_merged:
@@ -214,7 +211,7 @@ def _ws_producer(
     IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, O_RING: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
-    order = ptrs[7]
+    order_ptrs = ptrs[7]
     Hq, GROUP, Tq, Tk = scalars[0], scalars[1], scalars[2], scalars[3]
     stride_qt, stride_kt, stride_vt = scalars[4], scalars[6], scalars[8]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
@@ -235,7 +232,7 @@ def _ws_producer(
     if IS_DYNAMIC:
         w = take_item(sched[0])
         while w < n_work:
-            work = _work(w, Hq, GROUP, Tq, order, SPLIT, BLOCK_M)
+            work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
             pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
             post_item(sched, q_free, wi, w, (pid_h, r0, r1, s_lo, s_hi))
             it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
@@ -252,7 +249,7 @@ def _ws_producer(
             # The last round is short: some programs have no item in it.
             if w < n_work:
                 wait_halves_free(q_free, wi)
-                work = _work(w, Hq, GROUP, Tq, order, SPLIT, BLOCK_M)
+                work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
                 it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b,
                                                          packed, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                          HAS_PACKED_HEADS, IS_MERGING)
@@ -414,7 +411,7 @@ def _consume_work(
     With ``O_RING`` (``o_desc``: the output over ``(Tq, Hq * DV)``) an item whose last run has tiles sends
     its output out by TMA from the key tile of its last ring slot, which the consumers keep until then
     (docs/design.md, "Output through the ring"); other items store it straight from registers."""
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order = ptrs
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready = smem
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
@@ -439,16 +436,12 @@ def _consume_work(
     if IS_MERGING:
         # One call site of the tile loop for both kinds of run (a merged run, or one slice's tiles with
         # its bounds as [HALF, 1] columns): two would be two inlined copies of the loop.
-        if HAS_SOFTCAP:
-            UNROLL: gl.constexpr = DEV_MERGE_UNROLL_SOFTCAP
-        else:
-            UNROLL: gl.constexpr = DEV_MERGE_UNROLL
-        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N, UNROLL)
+        is_merged, m_lo, m_tiles, m_end = merged_span(slices_ptr, s_lo, s_hi, r0, r1, BLOCK_N)
         n_runs = gl.where(is_merged, 1, s_hi - s_lo)
         zero_col = gl.expand_dims(offs_m * 0, 1)
         for run in range(0, n_runs):
             if is_merged:
-                row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N, UNROLL)
+                row_ok, ks, ke, d_lo, d_hi = merged_rows(slices_ptr, s_lo, s_hi, r0, r1, offs_m, BLOCK_N)
                 k_lo = m_lo
                 n_tiles = m_tiles
                 n_full_lo = m_lo * 0
@@ -534,7 +527,7 @@ def _ws_consumer(
     IS_DYNAMIC: gl.constexpr, O_RING: gl.constexpr, J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
-    order = ptrs[7]
+    order_ptrs = ptrs[7]
     Hq, GROUP, Tq = scalars[0], scalars[1], scalars[2]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
     if O_RING:
@@ -559,7 +552,7 @@ def _ws_consumer(
         for i in range(0, gl.cdiv(n_work, n_prog)):
             w = nth_work(i, n_prog)
             if w < n_work:
-                pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order, SPLIT, BLOCK_M)
+                pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
                 it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk,
                                           o_desc, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                                           IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, O_RING,
@@ -583,10 +576,10 @@ def _ws_consumer_1(
 
 
 # Sizes and the GQA ratio vary from call to call: not specialized on, as in the Triton kernel.
-@gluon.jit(do_not_specialize=["pass_heads", "Tq", "Tk", "GROUP"])
+@gluon.jit(do_not_specialize=["Tq", "Tk", "GROUP"])
 def range_attn_fwd_sm90_ws_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr,
-    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads,
+    slices_ptr, block_lo_ptr, block_hi_ptr, block_order_ptr,
     Tq, Tk, Hq,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_mt,
@@ -638,8 +631,7 @@ def range_attn_fwd_sm90_ws_kernel(
 
     # Runtime values only in the tuple variables: a constexpr stored in one reaches the
     # partitions as a tensor, so the constexprs are listed in each call.
-    ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr,
-            (block_lo_ptr, block_hi_ptr, block_order_ptr, pass_heads))
+    ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr, block_order_ptr))
     smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready)
     scalars = (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
