@@ -148,13 +148,6 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d64-bf16-documents-softcap-maxlogits-gluon-dynamic", 64, 64, torch.bfloat16, "sm90pppmd_m128_n128_w4_s3",
          _docs(300, 9), 30.0, True, False),
-        # The output through the ring (head dims 64 and 128; a 96 pads to 128 and stores from registers).
-        ("d128-bf16-documents-softcap-maxlogits-gluon-output-in-ring", 128, 128, torch.bfloat16,
-         "sm90pppmo_m128_n128_w4_s3", _docs(300, 9), 30.0, True, False),
-        ("d64-fp16-documents-gluon-dynamic-output-in-ring", 64, 64, torch.float16, "sm90pppmdo_m128_n128_w4_s3",
-         _docs(300, 9), 0.0, False, False),
-        ("d128-bf16-documents-gluon-dynamic-output-in-ring", 128, 128, torch.bfloat16, "sm90pppmdo_m128_n128_w4_s3",
-         _docs(300, 9), 0.0, False, False),
         # The Triton kernel's merged tiles on the TMA path (on the GPU only an explicit config merges there).
         ("d64-fp16-documents-merged-tiles", 64, 64, torch.float16,
          dataclasses.replace(fwd._BY_NAME["tma_m128_n64_w4_s3"], merge=True), _docs(300, 9), 0.0, False, False),

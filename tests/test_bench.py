@@ -424,10 +424,10 @@ def test_pick_default_takes_the_fastest_bitwise_variant_and_edits_a_copy(tmp_pat
     source = (ROOT / "flashrange" / "kernels" / "forward.py").read_text()
     copy = tmp_path / "forward.py"
     copy.write_text(source)
-    pick_default.apply("sm90pppmdo_m128_n128_w4_s3", copy)
+    pick_default.apply("sm90pppmd_m128_n128_w4_s3", copy)
     edited = copy.read_text()
     before, after = source.splitlines(), edited.splitlines()
     changed = [(a, b) for a, b in zip(before, after) if a != b]
     assert len(before) == len(after) and len(changed) == 1
-    assert changed[0][1].strip() == '128: "sm90pppmdo_m128_n128_w4_s3",'
+    assert changed[0][1].strip() == '128: "sm90pppmd_m128_n128_w4_s3",'
     assert changed[0][0].strip().startswith("128: ")

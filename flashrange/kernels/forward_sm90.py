@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
-from .sm90_common import (bounded_desc, cta_barrier, issue_tiles, load_slice, nth_work, packed_qkv, post_item,
-                          read_ticket, read_work, sched_buffers, store_rows, store_staged, take_item, tma_load,
+from .sm90_common import (bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, post_item,
+                          read_ticket, read_work, sched_buffers, store_rows, take_item, tma_load,
                           wait_halves_free, wait_tiles_landed)
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -151,7 +151,7 @@ def _produce_work(
     ``last_b`` is the last tile through each value descriptor. Returns them advanced. ``packed``: the
     program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready = smem
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
@@ -208,7 +208,7 @@ def _ws_producer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, O_RING: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -257,12 +257,10 @@ def _ws_producer(
 
 
 @gluon.jit
-def _release_query(q_free, o_ready, J: gl.constexpr, O_RING: gl.constexpr):
+def _release_query(q_free, J: gl.constexpr):
     """This warpgroup's last score matmul of an item has completed: the producer may load the next item's
-    query half into this one, and (``O_RING``) the other warpgroup may write into the item's last key tile."""
+    query half into this one."""
     mbarrier.arrive(q_free.index(J), count=1)
-    if O_RING:
-        mbarrier.arrive(o_ready, count=1)
 
 
 @gluon.jit
@@ -270,14 +268,13 @@ def _consume_tiles(
     smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
     d_lo, d_hi, qk_scale, cap_in, cap_out, dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
     BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr,
-    IS_PINGPONG: gl.constexpr, O_RING: gl.constexpr, J: gl.constexpr,
+    IS_PINGPONG: gl.constexpr, J: gl.constexpr,
 ):
     """``n_tiles`` key tiles from ``k_lo`` (ring tiles from ``it``) into one warpgroup's online softmax; tiles
     ``[n_full_lo, n_full_hi)`` skip the element mask. The mask's ``row_ok``, ``ks``, ``ke``, ``d_lo``, ``d_hi``
     are one slice's scalars or, for merged tiles, each row's own (``[HALF, 1]``). ``is_last``: the item's last
-    tiles (the query half is released after their last score matmul; with ``O_RING`` their last slot stays
-    held, for the output: ``_consume_work``). Returns ``(n_blk, q_held, acc, m_i, l_i)``."""
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready = smem
+    tiles (the query half is released after their last score matmul). Returns ``(n_blk, q_held, acc, m_i, l_i)``."""
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
     q_half = q_smem.index(J)
     HALF: gl.constexpr = q_half.shape[0]
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
@@ -296,7 +293,7 @@ def _consume_tiles(
             s = warpgroup_mma_wait(0, deps=(s,))
             n_blk += 1
             if (n_tiles == 1) & is_last:
-                _release_query(q_free, o_ready, J, O_RING)
+                _release_query(q_free, J)
                 q_held = 0
             is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
             offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
@@ -319,7 +316,7 @@ def _consume_tiles(
                 s = warpgroup_mma_wait(1, deps=(s,))
                 n_blk += 1
                 if (t == n_tiles - 1) & is_last:
-                    _release_query(q_free, o_ready, J, O_RING)
+                    _release_query(q_free, J)
                     q_held = 0
                 is_edge = (t < n_full_lo) | (t >= n_full_hi)
                 offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
@@ -336,10 +333,7 @@ def _consume_tiles(
             mbarrier.arrive(turn.index(1 - J), count=1)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             n_blk += 1
-            if O_RING:
-                mbarrier.arrive(empty.index(prev), count=1, pred=~is_last)
-            else:
-                mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(empty.index(prev), count=1)
     else:
         for t in range(n_tiles):
             cur = it + t
@@ -377,42 +371,34 @@ def _slice_run(slices_ptr, s_idx, r0, r1, h0, offs_m, BLOCK_N: gl.constexpr):
 def _consume_slices(
     slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
     dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, O_RING: gl.constexpr,
-    J: gl.constexpr,
+    IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
 ):
     """One warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) over the window's slices one by one, each slice's
-    tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i, last_tiles)``, the last
-    the tiles of the window's last slice."""
-    last_tiles = s_lo * 0
+    tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i)``."""
     for s_idx in range(s_lo, s_hi):
         k_lo, n_tiles, n_full_lo, n_full_hi, row_ok, ks, ke, d_lo, d_hi = _slice_run(slices_ptr, s_idx, r0, r1, h0,
                                                                                      offs_m, BLOCK_N)
         n_blk, q_held, acc, m_i, l_i = _consume_tiles(
             smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
             s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
-            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, O_RING, J)
+            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
         it += n_tiles
-        last_tiles = n_tiles
-    return it, n_blk, q_held, acc, m_i, l_i, last_tiles
+    return it, n_blk, q_held, acc, m_i, l_i
 
 
 @gluon.jit
 def _consume_work(
-    ptrs, smem, scalars, work, wi, it, n_blk, o_desc,
+    ptrs, smem, scalars, work, it, n_blk,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    O_RING: gl.constexpr, J: gl.constexpr,
+    J: gl.constexpr,
 ):
-    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of the program's work item number ``wi``, on one warpgroup: ring
+    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of a work item (``work`` decoded), on one warpgroup: ring
     tiles from ``it``, ping-pong blocks from ``n_blk``; returns both advanced. The query half is released once
-    its last score matmul is done.
-
-    With ``O_RING`` (``o_desc``: the output over ``(Tq, Hq * DV)``) an item whose last run has tiles sends
-    its output out by TMA from the key tile of its last ring slot, which the consumers keep until then
-    (docs/design.md, "Output through the ring"); other items store it straight from registers."""
+    its last score matmul is done."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready = smem
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     pid_h, r0, r1, s_lo, s_hi = work
@@ -432,7 +418,6 @@ def _consume_work(
     # The query half is released after its last score matmul (ping-pong; otherwise at the end),
     # so that a persistent program's next queries load under this item's last tile and epilogue.
     q_held = 1
-    last_tiles = s_lo * 0
     if IS_MERGING:
         # One call site of the tile loop for both kinds of run (a merged run, or one slice's tiles with
         # its bounds as [HALF, 1] columns): two would be two inlined copies of the loop.
@@ -456,15 +441,14 @@ def _consume_work(
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
                 smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
                 run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
-                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, O_RING, J)
+                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
             it += n_tiles
-            last_tiles = n_tiles
     else:
-        it, n_blk, q_held, acc, m_i, l_i, last_tiles = _consume_slices(
+        it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
             slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
-            cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, O_RING, J)
+            cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
     if q_held == 1:
-        _release_query(q_free, o_ready, J, O_RING)
+        _release_query(q_free, J)
 
     covered = l_i != 0.0
     l_safe = gl.where(covered, l_i, 1.0)
@@ -475,46 +459,28 @@ def _consume_work(
     # block and the rings leave room for it; at head dim 128 they take all of it.
     IS_O_STAGED: gl.constexpr = (BLOCK_M * (BLOCK_D + BLOCK_DV) + STAGES * BLOCK_N * (BLOCK_D + BLOCK_DV)) * 2 \
         <= 200 * 1024
-    if O_RING:
-        # Both warpgroups' last score matmuls are done (_release_query), so no one reads the last key tile
-        # any more; each writes its half of the rows there.
-        slot = (it - 1) % STAGES
-        if last_tiles > 0:
-            mbarrier.wait(o_ready, wi & 1)
-            store_staged(o_desc, [h0, pid_h * DV], k_smem.index(slot).slice(J * HALF, HALF), out)
-        else:
-            store_rows(out_ptr + pid_h.to(gl.int64) * stride_oh, out, h0, Tq, stride_ot, DV, IS_O_STAGED)
-    else:
-        store_rows(out_ptr + pid_h.to(gl.int64) * stride_oh, out, h0, Tq, stride_ot, DV, IS_O_STAGED)
+    store_rows(out_ptr + pid_h.to(gl.int64) * stride_oh, out, h0, Tq, stride_ot, DV, IS_O_STAGED)
     mask_m = offs_m < Tq
     gl.store(lse_ptr + offs_m.to(gl.int64) * stride_lt + pid_h, lse, mask=mask_m)
     if HAS_MAX_LOGITS:
         gl.store(rowmax_ptr + offs_m.to(gl.int64) * stride_mt + pid_h, m_i * DEV_LN2, mask=mask_m)
-    if O_RING:
-        if last_tiles > 0:
-            # The slot goes back to the producer once the copy has read it; only the issuing thread can
-            # wait for that, the barrier tells the others.
-            tma.store_wait(0)
-            cta_barrier()
-            mbarrier.arrive(empty.index(slot), count=1)
     return it, n_blk
 
 
 @gluon.jit
 def _consume_item(
-    ptrs, smem, scalars, work, w, wi, it, n_blk, o_desc,
+    ptrs, smem, scalars, work, w, wi, it, n_blk,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    O_RING: gl.constexpr, J: gl.constexpr,
+    J: gl.constexpr,
 ):
     """This warpgroup's item number ``wi`` of its program, item ``w`` of the list (``work`` decoded), once its
     query half has landed; returns ``(it, n_blk)`` advanced (``_consume_work``)."""
     q_ready = smem[3]
     mbarrier.wait(q_ready.index(J), wi & 1)
-    it, n_blk = _consume_work(ptrs, smem, scalars, work, wi, it, n_blk, o_desc, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                              BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG,
-                              IS_MERGING, O_RING, J)
+    it, n_blk = _consume_work(ptrs, smem, scalars, work, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                              HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
     return it, n_blk
 
 
@@ -524,17 +490,12 @@ def _ws_consumer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, O_RING: gl.constexpr, J: gl.constexpr,
+    IS_DYNAMIC: gl.constexpr, J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
     Hq, GROUP, Tq = scalars[0], scalars[1], scalars[2]
     n_work = gl.cdiv(Tq, BLOCK_M * SPLIT) * SPLIT * Hq
-    if O_RING:
-        # The output's heads side by side in each row (the launcher's fresh tensor): one descriptor.
-        o_desc = bounded_desc(ptrs[3], Tq, Hq * DV, scalars[10], BLOCK_M // 2, BLOCK_DV)
-    else:
-        o_desc = 0
     it = 0
     # Matmul blocks issued so far (ping-pong turns; both warpgroups count the same blocks).
     n_blk = 0
@@ -542,9 +503,9 @@ def _ws_consumer(
     if IS_DYNAMIC:
         w = read_ticket(sched, wi)
         while w < n_work:
-            it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, o_desc, D, DV,
-                                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-                                      HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, O_RING, J)
+            it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, D, DV, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
+                                      STAGES, IS_PINGPONG, IS_MERGING, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -553,10 +514,9 @@ def _ws_consumer(
             w = nth_work(i, n_prog)
             if w < n_work:
                 pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-                it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk,
-                                          o_desc, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                                          IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, O_RING,
-                                          J)
+                it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk, D,
+                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
+                                          HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
                 wi += 1
 
 
@@ -566,12 +526,12 @@ def _ws_consumer_1(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, O_RING: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, O_RING, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, 1,
     )
 
 
@@ -590,14 +550,12 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, IS_O_IN_RING: gl.constexpr, ticket_ptr,
+    IS_DYNAMIC: gl.constexpr, ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
     of q, k and v holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
-    program, sm90_common), ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``) and
-    ``IS_O_IN_RING`` (the output leaves by TMA from the item's last key tile, where the ping-pong
-    consumers and ``DV == BLOCK_DV == BLOCK_D`` allow; the launcher's output has its heads side by side).
+    program, sm90_common) and ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``).
 
     Launched with 4 warps (the first consumer; a 4-warp and a 1-warp worker are
     added) and a register cap that the partitions split. ``IS_TMA``,
@@ -624,15 +582,11 @@ def range_attn_fwd_sm90_ws_kernel(
         mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    # Both consumers are done reading an item's last key tile (one arrival each; with O_RING).
-    O_RING: gl.constexpr = IS_O_IN_RING and IS_PINGPONG and BLOCK_D == BLOCK_DV and DV == BLOCK_DV
-    o_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(o_ready, count=2)
 
     # Runtime values only in the tuple variables: a constexpr stored in one reaches the
     # partitions as a tensor, so the constexprs are listed in each call.
     ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr, block_order_ptr))
-    smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, o_ready)
+    smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn)
     scalars = (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
     # A dynamic schedule's next item, posted by the producer for both consumers.
@@ -640,11 +594,11 @@ def range_attn_fwd_sm90_ws_kernel(
     sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, O_RING, 0)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                           HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
-                          IS_MERGING, IS_DYNAMIC, O_RING)),
+                          IS_MERGING, IS_DYNAMIC)),
         (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
-                        IS_DYNAMIC, O_RING)),
+                        IS_DYNAMIC)),
     ], [4, 1], [240, 24])

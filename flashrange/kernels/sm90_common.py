@@ -25,16 +25,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work",
-           "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows", "store_staged",
-           "take_item", "tma_load", "tma_store", "wait_halves_free", "wait_tiles_landed"]
+           "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
+           "take_item", "tma_load", "wait_halves_free", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# And its store (``async_copy_shared_to_global`` up to Triton 3.6, ``async_store`` later).
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # And its barrier of the threads of a program (``thread_barrier`` up to Triton 3.6, ``barrier`` later); inside a
 # warp-specialized partition it synchronizes that partition's warps.
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -175,20 +173,6 @@ def store_rows(base_ptr, tile, row0, row_end, stride_row, n_cols, IS_STAGED: gl.
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < n_cols, 0)
     gl.store(base_ptr + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0), t, mask=mask)
-
-
-@gluon.jit
-def store_staged(desc, coord, buf, tile):
-    """Store ``tile`` (in ``buf``'s element type) through shared memory ``buf`` (a tile of ``desc``'s block
-    shape and layout, that no one else reads or writes until the store is done) with one TMA store at
-    ``coord``; rows and columns past ``desc``'s shape are not written. The caller waits with
-    ``tma.store_wait`` and then :func:`cta_barrier` before ``buf`` is reused: only the thread that issued the
-    store can wait for it."""
-    buf.store(tile.to(buf.dtype))
-    # Every thread's writes reach the async proxy before the one thread that issues the copy reads them.
-    fence_async_shared()
-    cta_barrier()
-    tma_store(desc, coord, buf)
 
 
 @gluon.jit
