@@ -2,7 +2,7 @@
 # The runs of one device call, edited per session (logs under $OUT; carry "ab" for the plan step). Left by the
 # twenty-second session, which timed the dynamic schedule on an H100 (BENCHMARKS.md: the forward 21% faster
 # on 16 documents in 32k, 9% slower on 128) but could not run its GPU tests, the GPU suite or a bar table:
-#   tests  the GPU tests of the dynamic schedule, the ring and merged tiles (bitwise equal to the default);
+#   tests  the GPU tests of the dynamic schedule and merged tiles (bitwise equal to the default);
 #   fwd    the forward A/B, default against dynamic, with a fuzz, on the bar and document cases (H200 numbers);
 #          beside it dynt (scripts/pending/dynamic_ticket_only.patch: the consumers read only the ticket and
 #          decode the item themselves, as the fixed schedule does; bash scripts/ab_export.sh HEAD dynt <patch>);
@@ -26,7 +26,7 @@ STEPS="${STEPS:-tests fwd bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then
   timeout 240 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
-    -k "dynamic or ring or merg or many_short" > "$OUT/pytest_dyn.log" 2>&1
+    -k "dynamic or merg or many_short" > "$OUT/pytest_dyn.log" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
 fi
 if has fwd; then
