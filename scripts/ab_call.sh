@@ -5,7 +5,9 @@
 #   tests  the GPU tests of the dynamic schedule and merged tiles (bitwise equal to the default);
 #   fwd    the forward A/B, default against dynamic, with a fuzz, on the bar and document cases (H200 numbers);
 #          beside it dynt (scripts/pending/dynamic_ticket_only.patch: the consumers read only the ticket and
-#          decode the item themselves, as the fixed schedule does; bash scripts/ab_export.sh HEAD dynt <patch>);
+#          decode the item themselves, as the fixed schedule does; bash scripts/ab_export.sh HEAD dynt <patch>)
+#          and dynf (scripts/pending/posted_fixed_share.patch: the dynamic schedule's posting, the fixed share's
+#          items: what the posting costs apart from the schedule);
 #   bwd    the same for the backward;
 #   plan   the plan's group maximum by integer atomics (ab/atomic, exported from
 #          scripts/pending/plan_group_atomic.patch: bash scripts/ab_export.sh HEAD atomic <patch>).
@@ -25,12 +27,13 @@ ab() {  # name, time limit (s), ab.py args...
 STEPS="${STEPS:-tests fwd bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then
-  timeout 240 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py \
     -k "dynamic or merg or many_short" > "$OUT/pytest_dyn.log" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
 fi
 if has fwd; then
-  ab fwd 300 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 --fwd dynt:sm90pppmd_m128_n128_w4_s3 \
+  ab fwd 360 --fuzz 4 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 --fwd dynt:sm90pppmd_m128_n128_w4_s3 \
+    --fwd dynf:sm90pppmd_m128_n128_w4_s3 \
     --cases doc16-32k,doc128-32k,doc1024-32k,longshort-32k,causal-8k,full-8k,swa2048-32k,doc16-128k
   # Kept on the warm machine for a second call (FlashAttention-4's bench of the pick; scripts/fa4_bench.sh).
   mkdir -p /tmp/keep && cp "$OUT/fwd/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/fwd/ab.json"
