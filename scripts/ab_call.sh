@@ -36,7 +36,10 @@ if has fwd; then
     --fwd dynf:sm90pppmd_m128_n128_w4_s3 \
     --cases doc16-32k,doc128-32k,doc1024-32k,longshort-32k,causal-8k,full-8k,doc16-128k
   # Kept on the warm machine for a second call (FlashAttention-4's bench of the pick; scripts/fa4_bench.sh).
-  mkdir -p /tmp/keep && cp "$OUT/fwd/ab.json" /tmp/keep/fwd_ab.json && python scripts/pick_default.py "$OUT/fwd/ab.json"
+  # The packages made from pending patches may be picked (scripts/pick_default.py --patch).
+  patches="--patch dynt=scripts/pending/dynamic_ticket_only.patch --patch dynf=scripts/pending/posted_fixed_share.patch"
+  mkdir -p /tmp/keep && cp "$OUT/fwd/ab.json" /tmp/keep/fwd_ab.json && echo "$patches" > /tmp/keep/pick_args.txt
+  python scripts/pick_default.py "$OUT/fwd/ab.json" $patches
 fi
 if has bwd; then
   ab bwd 160 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \

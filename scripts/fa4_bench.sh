@@ -4,7 +4,8 @@
 #   call 1: carry [".fa4/A"]   command: anything (e.g. OUT=$OUT bash scripts/ab_call.sh)
 #   call 2: carry [".fa4/B"]   command: OUT=$OUT bash scripts/fa4_bench.sh [bench arguments]
 # With PICK=1, the forward config that call 1's A/B found fastest (/tmp/keep/fwd_ab.json, scripts/ab_call.sh)
-# is made the head-dim-128 default in this call's copy of the tree first (scripts/pick_default.py --apply).
+# is made the head-dim-128 default in this call's copy of the tree first (scripts/pick_default.py --apply; a
+# pick from a pending patch, /tmp/keep/pick_args.txt, applies that patch to the copy too).
 # .fa4/A stays on the warm machine from call 1. A .fa4/site left by an earlier install is removed first:
 # reinstalling over it failed (sixteenth session). Without arguments: every bar case, one process.
 set -u
@@ -14,7 +15,8 @@ rm -rf .fa4/site
 source .fa4/A/install.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${PICK:-0}" = 1 ] && [ -f /tmp/keep/fwd_ab.json ]; then
-  python scripts/pick_default.py /tmp/keep/fwd_ab.json --apply | tee "$OUT/pick.txt"
+  python scripts/pick_default.py /tmp/keep/fwd_ab.json --apply $(cat /tmp/keep/pick_args.txt 2>/dev/null) \
+    | tee "$OUT/pick.txt"
 fi
 if [ $# -eq 0 ]; then
   set -- --quick --time-budget 200 --contenders flashrange,flashrange-op,sdpa-cudnn,fa4 \

@@ -3,10 +3,12 @@
     python scripts/pick_default.py AB_JSON [--apply]
 
 ``AB_JSON``: the ``ab.json`` that ``scripts/ab.py --out`` wrote, with ``main:default`` among the forward
-variants. A config of this tree (``main:...``; other packages are yardsticks) qualifies when its output was bitwise that of ``main:default`` on every case and no
-case was more than ``--worst`` slower; of those, the one with the lowest geometric mean of its time over
-the default's wins, if that mean is below ``1 - --gain``. Prints every variant's mean and worst ratio and
-the pick (``default`` when none qualifies). With ``--apply`` it writes the pick into
+variants. A config of this tree (``main:...``) or of a package exported with a pending patch (``--patch
+NAME=PATCH``, as ``scripts/ab_export.sh HEAD NAME PATCH`` made it; other packages are yardsticks) qualifies
+when its output was bitwise that of ``main:default`` on every case and no case was more than ``--worst``
+slower; of those, the one with the lowest geometric mean of its time over the default's wins, if that mean
+is below ``1 - --gain``. Prints every variant's mean and worst ratio and the pick (``default`` when none
+qualifies). With ``--apply`` it applies the pick's patch, if any, to this tree and writes its config into
 ``flashrange/kernels/forward.py``'s ``_SM90_DEFAULTS`` at head dim 128 (the A/B's cases are at head dim
 128): for the second device call of a pair, whose copy of the tree is thrown away afterwards, so that
 FlashAttention-4's bench times the pick through the public call. The repository's default changes only by
@@ -20,6 +22,7 @@ import json
 import math
 import pathlib
 import re
+import subprocess
 import sys
 
 BASE = "main:default"
@@ -44,13 +47,25 @@ def ratios(records):
     return out
 
 
-def pick(records, gain, worst):
+def pick(records, gain, worst, packages=("main",)):
+    """The winning config: its name for a config of this tree, ``PACKAGE:CONFIG`` for one of the other
+    ``packages`` (exported with a patch), ``default`` when none qualifies."""
     best, best_mean = "default", 1.0 - gain
     for variant, (mean, top, bitwise) in ratios(records).items():
-        # Only configs of this tree: another package's (an exported earlier version) is a yardstick.
-        if variant.startswith("main:") and bitwise and top <= 1.0 + worst and mean < best_mean:
-            best, best_mean = variant.split(":", 1)[1], mean
+        package, config = variant.split(":", 1)
+        # Other packages (an exported earlier version) are yardsticks.
+        if package in packages and bitwise and top <= 1.0 + worst and mean < best_mean:
+            best, best_mean = (config if package == "main" else variant), mean
     return best
+
+
+def apply_patch(patch, root=FORWARD.parents[2]):
+    """Apply ``patch`` (a diff of ``flashrange/``) to the tree at ``root``."""
+    patch = pathlib.Path(patch).resolve()
+    try:
+        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
+    except FileNotFoundError:  # no git there
+        subprocess.run(["patch", "-p1", "-i", str(patch)], cwd=root, check=True)
 
 
 def apply(config_name, path=FORWARD):
@@ -68,14 +83,21 @@ def main(argv=None):
     ap.add_argument("--gain", type=float, default=0.01, help="least mean gain over the default (0.01: 1%%)")
     ap.add_argument("--worst", type=float, default=0.03, help="most any one case may lose (0.03: 3%%)")
     ap.add_argument("--apply", action="store_true", help="write the pick into forward.py (a throw-away copy)")
+    ap.add_argument("--patch", action="append", default=[], metavar="NAME=PATCH",
+                    help="package NAME of the A/B is this tree with PATCH applied: its configs may be picked")
     args = ap.parse_args(argv)
+    patches = dict(p.split("=", 1) for p in args.patch)
     records = json.loads(pathlib.Path(args.ab_json).read_text())
     for variant, (mean, top, bitwise) in ratios(records).items():
         print(f"{variant}: mean {mean:.3f} of the default's time, worst case {top:.3f}, "
               f"{'bitwise' if bitwise else 'NOT bitwise'}")
-    chosen = pick(records, args.gain, args.worst)
+    chosen = pick(records, args.gain, args.worst, ("main", *patches))
     print(f"pick: {chosen}")
     if args.apply and chosen != "default":
+        if ":" in chosen:
+            package, chosen = chosen.split(":", 1)
+            apply_patch(patches[package])
+            print(f"applied: {patches[package]}")
         apply(chosen)
         print(f"applied: _SM90_DEFAULTS[128] = {chosen!r} in this copy of {FORWARD.name}")
     return 0

@@ -418,8 +418,20 @@ def test_pick_default_takes_the_fastest_bitwise_variant_and_edits_a_copy(tmp_pat
     assert pick_default.pick(base + faster_not_bitwise + faster_one_case_lost + slight, 0.01, 0.03) == "default"
     # An exported earlier version is a yardstick, never the pick.
     assert pick_default.pick(base + rows("prev:default", [0.5, 1.0, 2.0]), 0.01, 0.03) == "default"
+    # A package exported with a pending patch may win, named with its package.
+    patched = rows("dynt:cfg", [0.8, 1.6, 3.2])
+    assert pick_default.pick(base + fast + patched, 0.01, 0.03) == "fast"
+    assert pick_default.pick(base + fast + patched, 0.01, 0.03, ("main", "dynt")) == "dynt:cfg"
     # A variant cut short (not every case) is not judged.
     assert "main:fast" not in pick_default.ratios(base + fast[:2])
+
+    # apply_patch: a diff of flashrange/ applied to the tree at root.
+    tree = tmp_path / "tree"
+    (tree / "flashrange").mkdir(parents=True)
+    (tree / "flashrange" / "k.py").write_text("a = 1\n")
+    (tmp_path / "p.patch").write_text("--- a/flashrange/k.py\n+++ b/flashrange/k.py\n@@ -1 +1 @@\n-a = 1\n+a = 2\n")
+    pick_default.apply_patch(tmp_path / "p.patch", tree)
+    assert (tree / "flashrange" / "k.py").read_text() == "a = 2\n"
 
     source = (ROOT / "flashrange" / "kernels" / "forward.py").read_text()
     copy = tmp_path / "forward.py"
