@@ -148,6 +148,16 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d64-bf16-documents-softcap-maxlogits-gluon-dynamic", 64, 64, torch.bfloat16, "sm90pppmd_m128_n128_w4_s3",
          _docs(300, 9), 30.0, True, False),
+        # Split key and value barriers: two slots (the 16-byte output stores at head dim 128 then fit) and three,
+        # packed heads and per-head descriptors (a padded view), softcap and row maxima.
+        ("d128-bf16-documents-gluon-split-kv-two-slots", 128, 128, torch.bfloat16, "sm90pppmk_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, False),
+        ("d128-bf16-documents-softcap-maxlogits-gluon-split-kv", 128, 128, torch.bfloat16,
+         "sm90pppmk_m128_n128_w4_s3", _docs(300, 9), 30.0, True, False),
+        ("d64-fp16-documents-gluon-split-kv-two-slots", 64, 64, torch.float16, "sm90pppmk_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, False),
+        ("d128-bf16-int64-view-gluon-split-kv-two-slots", 128, 128, torch.bfloat16, "sm90pppmk_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, True),
         # The Triton kernel's merged tiles on the TMA path (on the GPU only an explicit config merges there).
         ("d64-fp16-documents-merged-tiles", 64, 64, torch.float16,
          dataclasses.replace(fwd._BY_NAME["tma_m128_n64_w4_s3"], merge=True), _docs(300, 9), 0.0, False, False),

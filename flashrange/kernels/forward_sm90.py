@@ -90,51 +90,87 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, last,
-                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr):
+def _load_tile(desc, buf, ready, empty, cur, row, col, TILE_BYTES: gl.constexpr, STAGES: gl.constexpr):
+    """One tensor's ring tile ``cur`` (rows from ``row``, columns from ``col``), once both consumers have
+    released the slot's previous tile (a fresh barrier passes phase 1)."""
+    slot = cur % STAGES
+    mbarrier.wait(empty.index(slot), ((cur // STAGES) & 1) ^ 1)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, TILE_BYTES)
+    tma_load(desc, [row, col], bar, buf.index(slot))
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, it, n_tiles, k_lo, k_col, v_col, BLOCK_N: gl.constexpr,
+              BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, IS_KV_SPLIT: gl.constexpr):
+    """``n_tiles`` K/V tiles from key ``k_lo`` into ring tiles from ``it``. With ``IS_KV_SPLIT`` a slot's key
+    and value tiles have barriers of their own, and each key tile is issued before the value tile ahead of it
+    (``K_0, K_1, V_0, K_2, V_1, ...``): a key slot frees after both consumers' score matmul, a value slot
+    after their ``P V``, so the next key tile need not wait for the last ``P V``."""
+    ready, empty, v_ready, v_empty = bars
+    if IS_KV_SPLIT:
+        if n_tiles > 0:
+            _load_tile(k_desc, k_smem, ready, empty, it, k_lo, k_col, BLOCK_N * BLOCK_D * 2, STAGES)
+        for t in range(n_tiles):
+            if t + 1 < n_tiles:
+                _load_tile(k_desc, k_smem, ready, empty, it + t + 1, k_lo + (t + 1) * BLOCK_N, k_col,
+                           BLOCK_N * BLOCK_D * 2, STAGES)
+            _load_tile(v_desc, v_smem, v_ready, v_empty, it + t, k_lo + t * BLOCK_N, v_col, BLOCK_N * BLOCK_DV * 2,
+                       STAGES)
+    else:
+        issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, v_col, BLOCK_N,
+                    BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
+
+
+@gluon.jit
+def _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, bars, it, n_tiles, k_lo, last,
+                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+                 IS_KV_SPLIT: gl.constexpr):
     """One slice's K/V tiles through one call site's value descriptor (``sm90_common.issue_bounded``, with the
     key descriptor, head at column ``k_col``): returns the last tile through this call site."""
-    wait_tiles_landed(ready, last, it, STAGES)
+    # Value tiles land on the value barriers (the shared ones without IS_KV_SPLIT).
+    wait_tiles_landed(bars[2], last, it, STAGES)
     v_desc = bounded_desc(v_base, ke, DV, stride_vt, BLOCK_N, BLOCK_DV)
-    issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, 0, BLOCK_N,
-                BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
+    _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, it, n_tiles, k_lo, k_col, 0, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+              IS_KV_SPLIT)
     return gl.where(n_tiles > 0, it + n_tiles - 1, last)
 
 
 @gluon.jit
-def _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_tiles, k_lo,
+def _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem, bars, it, n_tiles, k_lo,
                n_sl, last_a, last_b, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-               STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+               STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_KV_SPLIT: gl.constexpr):
     """``n_tiles`` K/V tiles from key ``k_lo`` whose keys end at ``ke``; returns ``(n_sl, last_a, last_b)``
     (see ``_produce_work``)."""
     # Rows of v at or past the slice's end read as zeros: a NaN in keys no row of the
     # slice covers cannot reach P @ V through a p of 0. Tiles that end inside the slice
     # need no bound.
     if HAS_PACKED_HEADS and (k_lo + n_tiles * BLOCK_N <= ke):
-        issue_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, it, n_tiles, k_lo, k_col, v_col, BLOCK_N,
-                    BLOCK_N * (BLOCK_D + BLOCK_DV) * 2, STAGES)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, it, n_tiles, k_lo, k_col, v_col, BLOCK_N, BLOCK_D, BLOCK_DV,
+                  STAGES, IS_KV_SPLIT)
     else:
         if n_sl % 2 == 0:
-            last_a = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
-                                  n_tiles, k_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            last_a = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, bars, it,
+                                  n_tiles, k_lo, last_a, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_KV_SPLIT)
         else:
-            last_b = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, ready, empty, it,
-                                  n_tiles, k_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+            last_b = _issue_slice(k_desc, k_col, v_base, ke, DV, stride_vt, k_smem, v_smem, bars, it,
+                                  n_tiles, k_lo, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_KV_SPLIT)
         n_sl += 1
     return n_sl, last_a, last_b
 
 
 @gluon.jit
 def _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col, v_base, DV, stride_vt, k_smem, v_smem,
-                    ready, empty, it, n_sl, last_a, last_b, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr):
+                    bars, it, n_sl, last_a, last_b, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
+                    IS_KV_SPLIT: gl.constexpr):
     """Rows ``[r0, r1)``'s window slice by slice: each slice's tiles from its first reachable key."""
     for s_idx in range(s_lo, s_hi):
         qs, qe, ks, ke, mtype = load_slice(slices_ptr, s_idx)
         has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype, BLOCK_N)
         n_sl, last_a, last_b = _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem,
-                                          ready, empty, it, n_tiles, k_lo, n_sl, last_a, last_b, BLOCK_N, BLOCK_D,
-                                          BLOCK_DV, STAGES, HAS_PACKED_HEADS)
+                                          bars, it, n_tiles, k_lo, n_sl, last_a, last_b, BLOCK_N, BLOCK_D,
+                                          BLOCK_DV, STAGES, HAS_PACKED_HEADS, IS_KV_SPLIT)
         it += n_tiles
     return it, n_sl, last_a, last_b
 
@@ -144,6 +180,7 @@ def _produce_work(
     ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_MERGING: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr,
 ):
     """Loads of one work item, once both consumers have freed the query halves
     (``sm90_common.wait_halves_free``): its query halves, then every slice's K/V tiles into ring tiles from
@@ -151,7 +188,8 @@ def _produce_work(
     ``last_b`` is the last tile through each value descriptor. Returns them advanced. ``packed``: the
     program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, v_ready, v_empty = smem
+    bars = (ready, empty, v_ready, v_empty)
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
@@ -191,14 +229,14 @@ def _produce_work(
                 has_upper, d_max, has_lower, d_min, k_lo, k_hi, n_tiles = forward_walk(r0, r1, qs, qe, ks, ke, mtype,
                                                                                         BLOCK_N)
             n_sl, last_a, last_b = _issue_run(k_desc, v_desc, k_col, v_col, v_base, ke, DV, stride_vt, k_smem, v_smem,
-                                              ready, empty, it, n_tiles, k_lo, n_sl, last_a, last_b, BLOCK_N, BLOCK_D,
-                                              BLOCK_DV, STAGES, HAS_PACKED_HEADS)
+                                              bars, it, n_tiles, k_lo, n_sl, last_a, last_b, BLOCK_N, BLOCK_D,
+                                              BLOCK_DV, STAGES, HAS_PACKED_HEADS, IS_KV_SPLIT)
             it += n_tiles
     else:
         it, n_sl, last_a, last_b = _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col,
-                                                   v_base, DV, stride_vt, k_smem, v_smem, ready, empty, it, n_sl,
+                                                   v_base, DV, stride_vt, k_smem, v_smem, bars, it, n_sl,
                                                    last_a, last_b, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                   HAS_PACKED_HEADS)
+                                                   HAS_PACKED_HEADS, IS_KV_SPLIT)
     return it, n_sl, last_a, last_b
 
 
@@ -208,7 +246,7 @@ def _ws_producer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -237,7 +275,7 @@ def _ws_producer(
             post_item(sched, q_free, wi, w, (pid_h, r0, r1, s_lo, s_hi))
             it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
                                                      D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                     HAS_PACKED_HEADS, IS_MERGING)
+                                                     HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT)
             wi += 1
             w = take_item(sched[0])
         # The end: a ticket past the list.
@@ -252,7 +290,7 @@ def _ws_producer(
                 work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
                 it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b,
                                                          packed, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                         HAS_PACKED_HEADS, IS_MERGING)
+                                                         HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT)
                 wi += 1
 
 
@@ -268,13 +306,17 @@ def _consume_tiles(
     smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
     d_lo, d_hi, qk_scale, cap_in, cap_out, dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
     BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr,
-    IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+    IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
 ):
     """``n_tiles`` key tiles from ``k_lo`` (ring tiles from ``it``) into one warpgroup's online softmax; tiles
     ``[n_full_lo, n_full_hi)`` skip the element mask. The mask's ``row_ok``, ``ks``, ``ke``, ``d_lo``, ``d_hi``
     are one slice's scalars or, for merged tiles, each row's own (``[HALF, 1]``). ``is_last``: the item's last
-    tiles (the query half is released after their last score matmul). Returns ``(n_blk, q_held, acc, m_i, l_i)``."""
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    tiles (the query half is released after their last score matmul). Returns ``(n_blk, q_held, acc, m_i, l_i)``.
+
+    With ``IS_KV_SPLIT`` (ping-pong only) a key slot is released once its score matmul is done and a value
+    tile is waited for just before its ``P V``; without it (the value barriers are the shared ones) a slot's
+    two tiles land and are released together."""
+    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, v_ready, v_empty = smem
     q_half = q_smem.index(J)
     HALF: gl.constexpr = q_half.shape[0]
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
@@ -291,6 +333,8 @@ def _consume_tiles(
             s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn.index(1 - J), count=1)
             s = warpgroup_mma_wait(0, deps=(s,))
+            if IS_KV_SPLIT:
+                mbarrier.arrive(empty.index(slot), count=1)
             n_blk += 1
             if (n_tiles == 1) & is_last:
                 _release_query(q_free, J)
@@ -306,6 +350,8 @@ def _consume_tiles(
                 cur = it + t
                 slot = cur % STAGES
                 mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
+                if IS_KV_SPLIT:
+                    mbarrier.wait(v_ready.index(prev), ((cur - 1) // STAGES) & 1)
                 mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
                 # The score matmul first: its softmax then runs while P_{t-1} V_{t-1} is still
                 # in flight (the same arithmetic in the same order as waiting for both).
@@ -314,6 +360,8 @@ def _consume_tiles(
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 mbarrier.arrive(turn.index(1 - J), count=1)
                 s = warpgroup_mma_wait(1, deps=(s,))
+                if IS_KV_SPLIT:
+                    mbarrier.arrive(empty.index(slot), count=1)
                 n_blk += 1
                 if (t == n_tiles - 1) & is_last:
                     _release_query(q_free, J)
@@ -323,17 +371,19 @@ def _consume_tiles(
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
                                                    d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                mbarrier.arrive(empty.index(prev), count=1)
+                mbarrier.arrive(v_empty.index(prev), count=1)
                 # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 prev = slot
+            if IS_KV_SPLIT:
+                mbarrier.wait(v_ready.index(prev), ((it + n_tiles - 1) // STAGES) & 1)
             mbarrier.wait(turn.index(J), (n_blk & 1) ^ (1 - J))
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - J), count=1)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             n_blk += 1
-            mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(v_empty.index(prev), count=1)
     else:
         for t in range(n_tiles):
             cur = it + t
@@ -371,7 +421,8 @@ def _slice_run(slices_ptr, s_idx, r0, r1, h0, offs_m, BLOCK_N: gl.constexpr):
 def _consume_slices(
     slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
     dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, J: gl.constexpr,
+    IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
+    J: gl.constexpr,
 ):
     """One warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) over the window's slices one by one, each slice's
     tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i)``."""
@@ -381,7 +432,7 @@ def _consume_slices(
         n_blk, q_held, acc, m_i, l_i = _consume_tiles(
             smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
             s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
-            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, J)
         it += n_tiles
     return it, n_blk, q_held, acc, m_i, l_i
 
@@ -392,13 +443,13 @@ def _consume_work(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
 ):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of a work item (``work`` decoded), on one warpgroup: ring
     tiles from ``it``, ping-pong blocks from ``n_blk``; returns both advanced. The query half is released once
     its last score matmul is done."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
-    q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn = smem
+    q_free = smem[4]
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
      stride_ot, stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out) = scalars
     pid_h, r0, r1, s_lo, s_hi = work
@@ -441,12 +492,13 @@ def _consume_work(
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
                 smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
                 run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
-                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, J)
             it += n_tiles
     else:
         it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
             slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
-            cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, J)
+            cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT,
+            J)
     if q_held == 1:
         _release_query(q_free, J)
 
@@ -473,14 +525,15 @@ def _consume_item(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
 ):
     """This warpgroup's item number ``wi`` of its program, item ``w`` of the list (``work`` decoded), once its
     query half has landed; returns ``(it, n_blk)`` advanced (``_consume_work``)."""
     q_ready = smem[3]
     mbarrier.wait(q_ready.index(J), wi & 1)
     it, n_blk = _consume_work(ptrs, smem, scalars, work, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                              HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
+                              HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING,
+                              IS_KV_SPLIT, J)
     return it, n_blk
 
 
@@ -490,7 +543,7 @@ def _ws_consumer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, J: gl.constexpr,
+    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
@@ -505,7 +558,7 @@ def _ws_consumer(
         while w < n_work:
             it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, D, DV, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
-                                      STAGES, IS_PINGPONG, IS_MERGING, J)
+                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -516,7 +569,7 @@ def _ws_consumer(
                 pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
                 it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk, D,
                                           DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-                                          HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, J)
+                                          HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, J)
                 wi += 1
 
 
@@ -526,12 +579,12 @@ def _ws_consumer_1(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, 1,
     )
 
 
@@ -550,18 +603,20 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, ticket_ptr,
+    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
     of q, k and v holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
-    program, sm90_common) and ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``).
+    program, sm90_common), ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``) and ``IS_KV_SPLIT``
+    (each ring slot's key and value tiles land and are released on barriers of their own).
 
     Launched with 4 warps (the first consumer; a 4-warp and a 1-warp worker are
     added) and a register cap that the partitions split. ``IS_TMA``,
     ``IS_WARP_SPECIALIZED``, ``DOT_PRECISION``, ``IS_BF16_EMULATED``, ``IS_INT64``
     and ``IS_ONE_SLICE`` are accepted and unused (TMA and 64-bit addressing always).
     """
+    gl.static_assert(IS_PINGPONG or not IS_KV_SPLIT, "split key and value barriers need the ping-pong consumers")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -580,13 +635,23 @@ def range_attn_fwd_sm90_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    if IS_KV_SPLIT:
+        # The key tiles' barriers are then ready / empty.
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+    else:
+        v_ready = ready
+        v_empty = empty
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
     # Runtime values only in the tuple variables: a constexpr stored in one reaches the
     # partitions as a tensor, so the constexprs are listed in each call.
     ptrs = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr, block_order_ptr))
-    smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn)
+    smem = (q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, v_ready, v_empty)
     scalars = (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                stride_oh, stride_lt, stride_mt, qk_scale, cap_in, cap_out)
     # A dynamic schedule's next item, posted by the producer for both consumers.
@@ -594,11 +659,12 @@ def range_attn_fwd_sm90_ws_kernel(
     sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, 0)),
+                        IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT,
+                        0)),
         (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                           HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
-                          IS_MERGING, IS_DYNAMIC)),
+                          IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT)),
         (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
-                        IS_DYNAMIC)),
+                        IS_DYNAMIC, IS_KV_SPLIT)),
     ], [4, 1], [240, 24])
