@@ -158,6 +158,13 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d128-bf16-int64-view-gluon-split-kv-two-slots", 128, 128, torch.bfloat16, "sm90pppmk_m128_n128_w4_s2",
          _docs(300, 9), 0.0, False, True),
+        # And two query blocks used by turns (per-head query descriptors wait for the previous item's).
+        ("d128-bf16-documents-softcap-maxlogits-gluon-two-query-blocks", 128, 128, torch.bfloat16,
+         "sm90pppmkq_m128_n128_w4_s2", _docs(300, 9), 30.0, True, False),
+        ("d128-bf16-int64-view-gluon-two-query-blocks", 128, 128, torch.bfloat16, "sm90pppmkq_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, True),
+        ("d64-fp16-documents-gluon-two-query-blocks", 64, 64, torch.float16, "sm90pppmkq_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, False),
         # The Triton kernel's merged tiles on the TMA path (on the GPU only an explicit config merges there).
         ("d64-fp16-documents-merged-tiles", 64, 64, torch.float16,
          dataclasses.replace(fwd._BY_NAME["tma_m128_n64_w4_s3"], merge=True), _docs(300, 9), 0.0, False, False),

@@ -515,7 +515,7 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
                                                                     [r[4] for r in rows]))
         q, k, v = make_qkv(Tq, Tk, 4, 2, D, D, dtype, DEV, seed=seed)
         for config in ("sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3",
-                       "sm90pppmd_m128_n128_w4_s3", "sm90pppmk_m128_n128_w4_s2"):
+                       "sm90pppmd_m128_n128_w4_s3", "sm90pppmk_m128_n128_w4_s2", "sm90pppmkq_m128_n128_w4_s2"):
             out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=config)
             try:
                 check_three_way(q, k, v, qr, kr, mt, D ** -0.5, softcap, out, lse)
@@ -525,7 +525,8 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
 @pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3",
-                                    "sm90pppmd_m128_n128_w4_s3", "sm90pppmk_m128_n128_w4_s2"])
+                                    "sm90pppmd_m128_n128_w4_s3", "sm90pppmk_m128_n128_w4_s2",
+                                    "sm90pppmkq_m128_n128_w4_s2"])
 def test_fuzz_hopper_kernel(config):
     """300 random masks forced through the Hopper kernel, at the head dims it serves.
 
@@ -577,15 +578,17 @@ def test_hopper_dynamic_schedule_is_bitwise_the_same(kind):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("config", ["sm90pppmk_m128_n128_w4_s2", "sm90pppmk_m128_n128_w4_s3"],
-                         ids=["two-slots", "three-slots"])
+@pytest.mark.parametrize("config", ["sm90pppmk_m128_n128_w4_s2", "sm90pppmk_m128_n128_w4_s3",
+                                    "sm90pppmkq_m128_n128_w4_s2"],
+                         ids=["two-slots", "three-slots", "two-query-blocks"])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("D", [128, 64], ids=["d128", "d64"])
 @pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
 def test_hopper_split_kv_is_bitwise_the_same(kind, D, layout, config):
     """Key and value tiles on barriers of their own (each key tile loaded ahead of the value tile before it)
-    change when tiles land and are released, not the arithmetic: the bits of the shared barriers, with heads
-    packed in each row and with per-head descriptors (a padded view), softcap on the window masks."""
+    change when tiles land and are released, not the arithmetic, and so does a second query block (the next
+    item's queries loaded during this one's): the bits of the shared barriers, with heads packed in each row
+    and with per-head descriptors (a padded view), softcap on the window masks."""
     T = 4099
     q, k, v = make_qkv(T, T, 8, 2, D, D, torch.bfloat16, DEV, seed=29)
     if layout == "padded":

@@ -338,6 +338,9 @@ class FwdConfig:
     # Gluon only: a ring slot's key and value tiles have barriers of their own, and each key tile is loaded
     # ahead of the value tile before it (docs/design.md, "Split key and value barriers").
     split_kv: bool = False
+    # Gluon only, fixed share: query blocks used by turns; with 2 the producer loads the next item's queries
+    # while this item's are in use (docs/design.md, "Split key and value barriers").
+    q_buffers: int = 1
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -385,6 +388,8 @@ FWD_CONFIGS = [
               persistent=True, merge=True, split_kv=True),
     FwdConfig("sm90pppmk_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, split_kv=True),
+    FwdConfig("sm90pppmkq_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True,
+              pingpong=True, persistent=True, merge=True, split_kv=True, q_buffers=2),
     # For the interpreter (CPU): few large tiles, since every tile step costs tens of
     # milliseconds there; the small ones let tests reach many tiles on small inputs.
     FwdConfig("cpu_m64_n64", 64, 64, 4, 1, merge=True),
@@ -740,9 +745,9 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
-        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_KV_SPLIT, ticket_ptr
+        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, ticket_ptr
         args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), config.dynamic,
-                       config.split_kv, _ticket(config.dynamic, lse))
+                       config.split_kv, config.q_buffers, _ticket(config.dynamic, lse))
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)

@@ -90,6 +90,28 @@ def _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
+def _query_half(wi, j, Q_BUFS: gl.constexpr):
+    """The buffer (and barriers) of half ``j`` of the program's item number ``wi``, among ``Q_BUFS`` query
+    blocks used by turns, and the phase of that use."""
+    if Q_BUFS == 1:
+        return j, wi & 1
+    else:
+        return (wi % Q_BUFS) * 2 + j, (wi // Q_BUFS) & 1
+
+
+@gluon.jit
+def _wait_query_free(q_free, wi, Q_BUFS: gl.constexpr):
+    """A producer's wait until both halves of the query block that item ``wi`` will use are free: the
+    consumers are done with item ``wi - Q_BUFS`` (``sm90_common.wait_halves_free`` when there is one block)."""
+    if Q_BUFS == 1:
+        wait_halves_free(q_free, wi)
+    else:
+        for j in gl.static_range(2):
+            qh, phase = _query_half(wi, j, Q_BUFS)
+            mbarrier.wait(q_free.index(qh), phase ^ 1)
+
+
+@gluon.jit
 def _load_tile(desc, buf, ready, empty, cur, row, col, TILE_BYTES: gl.constexpr, STAGES: gl.constexpr):
     """One tensor's ring tile ``cur`` (rows from ``row``, columns from ``col``), once both consumers have
     released the slot's previous tile (a fresh barrier passes phase 1)."""
@@ -177,13 +199,13 @@ def _produce_slices(slices_ptr, s_lo, s_hi, r0, r1, k_desc, v_desc, k_col, v_col
 
 @gluon.jit
 def _produce_work(
-    ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
+    ptrs, smem, scalars, work, wi, it, n_sl, last_a, last_b, packed,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
 ):
-    """Loads of one work item, once both consumers have freed the query halves
-    (``sm90_common.wait_halves_free``): its query halves, then every slice's K/V tiles into ring tiles from
+    """Loads of the program's item number ``wi``, once both consumers have freed the query halves it uses
+    (``_wait_query_free``): its query halves, then every slice's K/V tiles into ring tiles from
     ``it``. ``n_sl`` counts bounded slices so far (the value descriptor's call site alternates); ``last_a`` /
     ``last_b`` is the last tile through each value descriptor. Returns them advanced. ``packed``: the
     program's q, k, v descriptors over ``(T, H * D)`` (with ``HAS_PACKED_HEADS``)."""
@@ -201,6 +223,13 @@ def _produce_work(
         k_col = pid_kvh * D
         v_col = pid_kvh * DV
     else:
+        if Q_BUFS > 1:
+            # The query descriptor follows the head: the previous item's halves (another buffer, maybe
+            # not yet consumed) land first.
+            if wi > 0:
+                for j in gl.static_range(2):
+                    qh, phase = _query_half(wi - 1, j, Q_BUFS)
+                    mbarrier.wait(q_ready.index(qh), phase)
         q_desc = tma.make_tensor_descriptor(q_ptr + pid_h.to(gl.int64) * stride_qh, shape=[Tq, D],
                                             strides=[stride_qt, 1], block_shape=[HALF, BLOCK_D], layout=q_layout)
         # The key descriptor follows the head: every key tile still in flight lands first.
@@ -212,8 +241,9 @@ def _produce_work(
         v_desc = 0
         v_col = 0
     for j in gl.static_range(2):
-        mbarrier.expect(q_ready.index(j), HALF * BLOCK_D * 2)
-        tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(j), q_smem.index(j))
+        qh, phase = _query_half(wi, j, Q_BUFS)
+        mbarrier.expect(q_ready.index(qh), HALF * BLOCK_D * 2)
+        tma_load(q_desc, [r0 + j * HALF, q_col], q_ready.index(qh), q_smem.index(qh))
     v_base = v_ptr + pid_kvh.to(gl.int64) * stride_vh
     if IS_MERGING:
         # One call site for both kinds of run, as in the consumers.
@@ -246,7 +276,7 @@ def _ws_producer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -273,9 +303,9 @@ def _ws_producer(
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
             pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
             post_item(sched, q_free, wi, w, (pid_h, r0, r1, s_lo, s_hi))
-            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
-                                                     D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                     HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT)
+            it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, wi, it, n_sl, last_a, last_b,
+                                                     packed, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                                                     HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT, Q_BUFS)
             wi += 1
             w = take_item(sched[0])
         # The end: a ticket past the list.
@@ -286,24 +316,24 @@ def _ws_producer(
             w = nth_work(i, n_prog)
             # The last round is short: some programs have no item in it.
             if w < n_work:
-                wait_halves_free(q_free, wi)
+                _wait_query_free(q_free, wi, Q_BUFS)
                 work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
-                it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b,
+                it, n_sl, last_a, last_b = _produce_work(ptrs, smem, scalars, work, wi, it, n_sl, last_a, last_b,
                                                          packed, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                                                         HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT)
+                                                         HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT, Q_BUFS)
                 wi += 1
 
 
 @gluon.jit
-def _release_query(q_free, J: gl.constexpr):
+def _release_query(q_free, qh):
     """This warpgroup's last score matmul of an item has completed: the producer may load the next item's
     query half into this one."""
-    mbarrier.arrive(q_free.index(J), count=1)
+    mbarrier.arrive(q_free.index(qh), count=1)
 
 
 @gluon.jit
 def _consume_tiles(
-    smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
+    smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
     d_lo, d_hi, qk_scale, cap_in, cap_out, dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
     BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr,
     IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
@@ -317,7 +347,7 @@ def _consume_tiles(
     tile is waited for just before its ``P V``; without it (the value barriers are the shared ones) a slot's
     two tiles land and are released together."""
     q_smem, k_smem, v_smem, q_ready, q_free, ready, empty, turn, v_ready, v_empty = smem
-    q_half = q_smem.index(J)
+    q_half = q_smem.index(qh)
     HALF: gl.constexpr = q_half.shape[0]
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
@@ -337,7 +367,7 @@ def _consume_tiles(
                 mbarrier.arrive(empty.index(slot), count=1)
             n_blk += 1
             if (n_tiles == 1) & is_last:
-                _release_query(q_free, J)
+                _release_query(q_free, qh)
                 q_held = 0
             is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
             offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
@@ -364,7 +394,7 @@ def _consume_tiles(
                     mbarrier.arrive(empty.index(slot), count=1)
                 n_blk += 1
                 if (t == n_tiles - 1) & is_last:
-                    _release_query(q_free, J)
+                    _release_query(q_free, qh)
                     q_held = 0
                 is_edge = (t < n_full_lo) | (t >= n_full_hi)
                 offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
@@ -419,7 +449,7 @@ def _slice_run(slices_ptr, s_idx, r0, r1, h0, offs_m, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _consume_slices(
-    slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
+    slices_ptr, smem, qh, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
     dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
     J: gl.constexpr,
@@ -430,7 +460,7 @@ def _consume_slices(
         k_lo, n_tiles, n_full_lo, n_full_hi, row_ok, ks, ke, d_lo, d_hi = _slice_run(slices_ptr, s_idx, r0, r1, h0,
                                                                                      offs_m, BLOCK_N)
         n_blk, q_held, acc, m_i, l_i = _consume_tiles(
-            smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
+            smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
             s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
             HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, J)
         it += n_tiles
@@ -439,15 +469,15 @@ def _consume_slices(
 
 @gluon.jit
 def _consume_work(
-    ptrs, smem, scalars, work, it, n_blk,
+    ptrs, smem, scalars, work, qh, it, n_blk,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, J: gl.constexpr,
 ):
-    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of a work item (``work`` decoded), on one warpgroup: ring
-    tiles from ``it``, ping-pong blocks from ``n_blk``; returns both advanced. The query half is released once
-    its last score matmul is done."""
+    """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of a work item (``work`` decoded), on one warpgroup, its query half
+    in buffer ``qh``: ring tiles from ``it``, ping-pong blocks from ``n_blk``; returns both advanced. The query
+    half is released once its last score matmul is done."""
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, rowmax_ptr, slices_ptr, order_ptrs = ptrs
     q_free = smem[4]
     (Hq, GROUP, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -490,17 +520,17 @@ def _consume_work(
                 d_lo = zero_col + d_lo_s
                 d_hi = zero_col + d_hi_s
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
-                smem, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
+                smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
                 run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
                 BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, J)
             it += n_tiles
     else:
         it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
-            slices_ptr, smem, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
+            slices_ptr, smem, qh, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
             cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT,
             J)
     if q_held == 1:
-        _release_query(q_free, J)
+        _release_query(q_free, qh)
 
     covered = l_i != 0.0
     l_safe = gl.where(covered, l_i, 1.0)
@@ -509,8 +539,8 @@ def _consume_work(
     lse = gl.where(covered, (m_i + gl.log2(l_safe)) * DEV_LN2, float("-inf"))
     # The output goes out in 16-byte runs through shared memory (sm90_common.store_rows) where the query
     # block and the rings leave room for it; at head dim 128 they take all of it.
-    IS_O_STAGED: gl.constexpr = (BLOCK_M * (BLOCK_D + BLOCK_DV) + STAGES * BLOCK_N * (BLOCK_D + BLOCK_DV)) * 2 \
-        <= 200 * 1024
+    IS_O_STAGED: gl.constexpr = (BLOCK_M * (Q_BUFS * BLOCK_D + BLOCK_DV) + STAGES * BLOCK_N * (BLOCK_D + BLOCK_DV)) \
+        * 2 <= 200 * 1024
     store_rows(out_ptr + pid_h.to(gl.int64) * stride_oh, out, h0, Tq, stride_ot, DV, IS_O_STAGED)
     mask_m = offs_m < Tq
     gl.store(lse_ptr + offs_m.to(gl.int64) * stride_lt + pid_h, lse, mask=mask_m)
@@ -525,15 +555,16 @@ def _consume_item(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, J: gl.constexpr,
 ):
     """This warpgroup's item number ``wi`` of its program, item ``w`` of the list (``work`` decoded), once its
     query half has landed; returns ``(it, n_blk)`` advanced (``_consume_work``)."""
     q_ready = smem[3]
-    mbarrier.wait(q_ready.index(J), wi & 1)
-    it, n_blk = _consume_work(ptrs, smem, scalars, work, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+    qh, phase = _query_half(wi, J, Q_BUFS)
+    mbarrier.wait(q_ready.index(qh), phase)
+    it, n_blk = _consume_work(ptrs, smem, scalars, work, qh, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                               HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING,
-                              IS_KV_SPLIT, J)
+                              IS_KV_SPLIT, Q_BUFS, J)
     return it, n_blk
 
 
@@ -543,7 +574,7 @@ def _ws_consumer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
+    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
@@ -558,7 +589,7 @@ def _ws_consumer(
         while w < n_work:
             it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, D, DV, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
-                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, J)
+                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -569,7 +600,8 @@ def _ws_consumer(
                 pid_h, pid_kvh, r0, r1, s_lo, s_hi = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
                 it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk, D,
                                           DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-                                          HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, J)
+                                          HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS,
+                                          J)
                 wi += 1
 
 
@@ -579,12 +611,12 @@ def _ws_consumer_1(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, 1,
     )
 
 
@@ -603,13 +635,14 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, ticket_ptr,
+    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
     of q, k and v holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
     program, sm90_common), ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``) and ``IS_KV_SPLIT``
-    (each ring slot's key and value tiles land and are released on barriers of their own).
+    (each ring slot's key and value tiles land and are released on barriers of their own) and ``Q_BUFS`` (query
+    blocks used by turns: with two, the next item's queries load while this item's are in use).
 
     Launched with 4 warps (the first consumer; a 4-warp and a 1-warp worker are
     added) and a register cap that the partitions split. ``IS_TMA``,
@@ -617,18 +650,20 @@ def range_attn_fwd_sm90_ws_kernel(
     and ``IS_ONE_SLICE`` are accepted and unused (TMA and 64-bit addressing always).
     """
     gl.static_assert(IS_PINGPONG or not IS_KV_SPLIT, "split key and value barriers need the ping-pong consumers")
+    # The dynamic schedule posts an item once the previous item's query halves are free.
+    gl.static_assert(Q_BUFS == 1 or not IS_DYNAMIC, "two query blocks need the fixed share")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
     v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_DV * 2, 128), element_bitwidth=16)
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, HALF, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], q_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(2 * Q_BUFS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=1)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -660,11 +695,11 @@ def range_attn_fwd_sm90_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT,
-                        0)),
+                        Q_BUFS, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                           HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
-                          IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT)),
+                          IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS)),
         (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
-                        IS_DYNAMIC, IS_KV_SPLIT)),
+                        IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS)),
     ], [4, 1], [240, 24])
