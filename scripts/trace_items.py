@@ -51,23 +51,23 @@ _EDITS = [
     ("forward.py", "\ndef _recorded_args(", "\nTRACE = None  # trace_items.py: the clock buffer\n\n\ndef _recorded_args("),
     ("forward_sm90.py", "@gluon.jit\ndef _consume_tiles(", _CLOCKS + "@gluon.jit\ndef _consume_tiles("),
     ("forward_sm90.py",
-     "    if q_held == 1:\n        _release_query(q_free, J)\n\n    covered = l_i != 0.0",
-     "    if q_held == 1:\n        _release_query(q_free, J)\n    t_loop = _clock(n_blk)\n\n"
+     "    if q_held == 1:\n        _release_query(q_free, qh)\n\n    covered = l_i != 0.0",
+     "    if q_held == 1:\n        _release_query(q_free, qh)\n    t_loop = _clock(n_blk)\n\n"
      "    covered = l_i != 0.0"),
     ("forward_sm90.py",
      "m_i * DEV_LN2, mask=mask_m)\n    return it, n_blk\n",
      "m_i * DEV_LN2, mask=mask_m)\n    return it, n_blk, t_loop\n"),
     ("forward_sm90.py",
-     "    mbarrier.wait(q_ready.index(J), wi & 1)\n"
+     "    mbarrier.wait(q_ready.index(qh), phase)\n"
      "    it, n_blk = _consume_work(",
      "    t_wait = _clock(wi)\n"
-     "    mbarrier.wait(q_ready.index(J), wi & 1)\n"
+     "    mbarrier.wait(q_ready.index(qh), phase)\n"
      "    t_start = _clock(wi)\n"
      "    it0 = it\n"
      "    it, n_blk, t_loop = _consume_work("),
     ("forward_sm90.py",
-     "IS_PINGPONG, IS_MERGING, J)\n    return it, n_blk\n",
-     "IS_PINGPONG, IS_MERGING, J)\n"
+     "IS_KV_SPLIT, Q_BUFS, J)\n    return it, n_blk\n",
+     "IS_KV_SPLIT, Q_BUFS, J)\n"
      "    t_end = _clock(wi)\n"
      "    tr = ptrs[5] + (w.to(gl.int64) * 2 + J) * 8\n"
      "    gl.store(tr + 0, t_wait.to(gl.float32, bitcast=True))\n"
