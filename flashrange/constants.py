@@ -24,6 +24,7 @@ __all__ = [
     "kernel_head_dims_ok",
     "KERNEL_DTYPES",
     "PLAN_BLOCK",
+    "DYNAMIC_MIN_SLICE_ROWS",
     "STRICT_ENV",
 ]
 
@@ -61,6 +62,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the major axis divides it, so one plan serves the forward and both
 # gradient kernels whatever their tile sizes.
 PLAN_BLOCK = 128
+
+# The Hopper forward's adaptive schedule (docs/design.md, "Dynamic schedule") takes work items from a shared
+# counter when the mask's valid slices average at least this many query rows, else by a fixed share: short
+# slices make short items, where the counter's order was measured slower than the fixed share.
+DYNAMIC_MIN_SLICE_ROWS = 512
 
 # Environment variable that turns strict value checks on for every call.
 STRICT_ENV = "FLASHRANGE_STRICT"

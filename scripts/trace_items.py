@@ -2,7 +2,8 @@
 
     python scripts/trace_items.py --export     # here: ab/trace, HEAD's kernels with clock reads (carry "ab")
     TRITON_INTERPRET=0 PYTHONPATH=. python scripts/trace_items.py --build   # here, no GPU: build it for sm_90
-    PYTHONPATH=. python scripts/trace_items.py --cases causal-8k,doc16-32k [--orders plan,bucketed] [--out DIR]
+    PYTHONPATH=. python scripts/trace_items.py --cases causal-8k,doc16-32k [--orders plan,bucketed]
+                                               [--configs default,sm90pppmd_m128_n128_w4_s3] [--out DIR]
                                                 # on the GPU
 
 The exported copy (``ab/trace/flashrange_trace``, like ``scripts/ab_export.sh``'s) has its Gluon forward
@@ -16,8 +17,9 @@ Printed per case: the shares of the warpgroups' time in tile loops, epilogues, b
 next item: its plan entries) and waiting for queries; then the median tile-loop cycles of single-slice items
 by tile count, and the median cycles per tile of longer items by round of the persistent order. ``--orders``
 also traces the same call with the plan's query blocks in other orders (``block_orders``: the outputs are the
-same bits, the memory traffic and balance are not). ``--out`` also writes every item's clocks
-(``trace_<case>_<order>.json``).
+same bits, the memory traffic and balance are not), and ``--configs`` with other persistent Gluon configs (the
+dynamic schedule against the fixed share: which program runs which item). ``--out`` also writes every item's
+clocks (``trace_<case>_<order>[_<config>].json``).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def block_orders(plan_order, block_lo, window):
     return {"plan": list(plan_order), "grouped": grouped, "bucketed": bucketed}
 
 
-def run(cases, orders, out_dir):
+def run(cases, orders, out_dir, configs=("default",)):
     import torch
 
     sys.path.insert(0, COPY)
@@ -172,21 +174,25 @@ def run(cases, orders, out_dir):
         q, k, v, _ = make_inputs(case, "cuda", torch.bfloat16)
         qr, kr, mt = cm.mask.tensors()
         plan = build_plan(qr, kr, mt, case.T, case.T)
-        config = fwd.default_config(case.D, case.head_dim_v, q.dtype)
-        if not (config.gluon and config.persistent):
-            sys.exit(f"trace_items.py: {case.name} takes {config.name}, not the persistent Gluon forward (a Hopper "
-                     "GPU, 2-byte dtype, head dim 64 or 128)")
-        block_m = config.BLOCK_M
-        split = PLAN_BLOCK // block_m
-        n_work = -(-case.T // block_m) * case.Hq
         want = flashrange.range_attention(q, k, v, qr, kr, mt)[0]
         lo, hi = plan.q_block_lo.tolist(), plan.q_block_hi.tolist()
         slices = plan.q_slices.tolist()
-        # Blocks running at once: one work item per SM, the heads of a block side by side.
-        window = max(1, torch.cuda.get_device_properties(0).multi_processor_count // (case.Hq * split))
-        all_orders = block_orders(plan.q_block_order.tolist(), lo, window)
-        for order_name in orders:
-            order = all_orders[order_name]
+        for config_name, order_name in [(c, o) for c in configs for o in orders]:
+            if config_name == "default":
+                config = fwd.default_config(case.D, case.head_dim_v, q.dtype)
+            else:
+                config = next((c for c in fwd.FWD_CONFIGS if c.name == config_name), None)
+                if config is None:
+                    sys.exit(f"trace_items.py: no forward config {config_name!r}")
+            if not (config.gluon and config.persistent):
+                sys.exit(f"trace_items.py: {case.name} takes {config.name}, not the persistent Gluon forward (a "
+                         "Hopper GPU, 2-byte dtype, head dim 64 or 128)")
+            block_m = config.BLOCK_M
+            split = PLAN_BLOCK // block_m
+            n_work = -(-case.T // block_m) * case.Hq
+            # Blocks running at once: one work item per SM, the heads of a block side by side.
+            window = max(1, torch.cuda.get_device_properties(0).multi_processor_count // (case.Hq * split))
+            order = block_orders(plan.q_block_order.tolist(), lo, window)[order_name]
             traced = plan._replace(q_block_order=torch.tensor(order, dtype=plan.q_block_order.dtype,
                                                               device=plan.q_block_order.device))
             fwd.TRACE = torch.zeros(n_work * 16, dtype=torch.float32, device="cuda")
@@ -194,15 +200,17 @@ def run(cases, orders, out_dir):
             for i in range(4):  # warm, then the last call's clocks are read and its time taken
                 if i == 3:
                     events[0].record()
-                got = fwd.range_attention_forward_triton(q, k, v, qr, kr, mt, case.D ** -0.5, 0.0, plan=traced)[0]
+                got = fwd.range_attention_forward_triton(q, k, v, qr, kr, mt, case.D ** -0.5, 0.0, plan=traced,
+                                                         config=config)[0]
             events[1].record()
             torch.cuda.synchronize()
             assert torch.equal(got, want), f"{case.name}: the traced copy's output differs from flashrange's"
-            _report(case, order_name, order, events[0].elapsed_time(events[1]), fwd.TRACE, n_work, lo, hi, slices,
+            label = order_name if config_name == "default" else f"{order_name}_{config.name}"
+            _report(case, label, order, events[0].elapsed_time(events[1]), fwd.TRACE, n_work, lo, hi, slices,
                     split, block_m, out_dir)
 
 
-def _report(case, order_name, order, ms, trace, n_work, lo, hi, slices, split, block_m, out_dir):
+def _report(case, label, order, ms, trace, n_work, lo, hi, slices, split, block_m, out_dir):
     import torch
 
     rec = trace.view(torch.int32).cpu().view(n_work, 2, 8).tolist()
@@ -234,7 +242,7 @@ def _report(case, order_name, order, ms, trace, n_work, lo, hi, slices, split, b
                 by_round.setdefault(i, []).append(_wrap(it["start"], it["loop"]) / it["tiles"])
     n_items = len(items)
     share = {key: f"{100 * tot[key] / tot['span']:.1f}%" for key in ("loop", "epi", "gap", "qwait")}
-    print(f"{case.name} [{order_name} order] {ms:.3f} ms (traced): {n_items / len(by_wg):.1f} items per "
+    print(f"{case.name} [{label}] {ms:.3f} ms (traced): {n_items / len(by_wg):.1f} items per "
           f"warpgroup, {sum(it['tiles'] for it in items) / n_items:.2f} tiles per item; tile loops {share['loop']}, "
           f"epilogues {share['epi']}, between items {share['gap']}, query wait {share['qwait']}; epilogue "
           f"{tot['epi'] / n_items:.0f} cycles per item")
@@ -248,7 +256,7 @@ def _report(case, order_name, order, ms, trace, n_work, lo, hi, slices, split, b
           + ", ".join(f"{r}: {statistics.median(v):.0f}" for r, v in sorted(by_round.items()) if len(v) >= 8))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f"trace_{case.name}_{order_name}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"trace_{case.name}_{label}.json"), "w") as f:
             json.dump(items, f)
 
 
@@ -259,6 +267,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="causal-8k,full-8k,doc16-32k,doc128-32k,doc1024-32k,swa2048-32k")
     ap.add_argument("--orders", default="plan", help="block orders to trace, from plan (the plan's own), grouped, "
                     "bucketed (see block_orders)")
+    ap.add_argument("--configs", default="default", help="persistent Gluon forward configs to trace (names, or "
+                    "default)")
     ap.add_argument("--out", default=None, help="also write every item's clocks here")
     args = ap.parse_args(argv)
     if args.export:
@@ -268,7 +278,7 @@ def main(argv=None):
     else:
         if not os.path.isdir(KERNELS):
             sys.exit("trace_items.py: no traced copy; run it with --export first (here) and carry ab")
-        run(args.cases, args.orders.split(","), args.out)
+        run(args.cases, args.orders.split(","), args.out, args.configs.split(","))
 
 
 if __name__ == "__main__":

@@ -554,11 +554,14 @@ def test_hopper_persistent_grid_is_bitwise_the_same(kind):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("config", ["sm90pppmd_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3"],
+                         ids=["dynamic", "adaptive"])
 @pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
-def test_hopper_dynamic_schedule_is_bitwise_the_same(kind):
+def test_hopper_dynamic_schedule_is_bitwise_the_same(kind, config):
     """Programs that take their items from a shared counter give the bits of the fixed zig-zag share, on
     every launch: each launch's counter starts from zero, so later launches (through the recorded fast
-    path, with a plan given) cover every row again; rows left unwritten would keep the NaN put there."""
+    path, with a plan given) cover every row again; rows left unwritten would keep the NaN put there. The
+    adaptive schedule takes one or the other per launch (both occur among these masks)."""
     from flashrange.kernels.forward import range_attention_forward_triton
 
     T = 8191
@@ -572,9 +575,40 @@ def test_hopper_dynamic_schedule_is_bitwise_the_same(kind):
         poison = (torch.full((T, 8, 128), float("nan"), dtype=torch.bfloat16, device=DEV),
                   torch.full((T, 8), float("nan"), device=DEV))
         del poison
-        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 128 ** -0.5, plan=plan,
-                                                  config="sm90pppmd_m128_n128_w4_s3")
+        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 128 ** -0.5, plan=plan, config=config)
         assert torch.equal(out, fixed[0]) and torch.equal(lse, fixed[1])
+
+
+def _valid_slices(qr, kr, mt, T):
+    """Slices that cover a cell, from the per-type rules: non-empty ranges of a known type, and a bi-causal
+    band no taller than it is wide."""
+    qs, qe = qr[:, 0].clamp(0, T), qr[:, 1].clamp(0, T)
+    ks, ke = kr[:, 0].clamp(0, T), kr[:, 1].clamp(0, T)
+    ok = (qe > qs) & (ke > ks) & (mt >= FULL) & (mt <= BI_CAUSAL)
+    return int((ok & ~((mt == BI_CAUSAL) & (qe - qs > ke - ks))).sum())
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
+def test_hopper_adaptive_schedule_takes_tickets_only_for_long_slices(monkeypatch, kind):
+    """The adaptive schedule's choice, read from its counter after the launch: every item and one ticket past
+    the list per program when the valid slices average DYNAMIC_MIN_SLICE_ROWS query rows or more (then the
+    counter's order), none below (the fixed share's). Counted here from the ranges, not from the plan."""
+    from flashrange.constants import DYNAMIC_MIN_SLICE_ROWS
+    from flashrange.kernels import forward as fwd
+
+    T, Hq = 8191, 8
+    q, k, v = make_qkv(T, T, Hq, 2, 128, 128, torch.bfloat16, DEV, seed=23)
+    qr, kr, mt = _short_mask(T, 700, 5) if kind == "short" else _mask(kind, T, 4)
+    tickets = []
+    make_ticket = fwd._ticket
+    monkeypatch.setattr(fwd, "_ticket", lambda dynamic, lse: tickets.append(make_ticket(dynamic, lse)) or tickets[-1])
+    _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pppma_m128_n128_w4_s3")
+    torch.cuda.synchronize()
+    n_work = -(-T // 128) * Hq
+    n_prog = min(n_work, torch.cuda.get_device_properties(0).multi_processor_count)
+    is_ticketed = T >= DYNAMIC_MIN_SLICE_ROWS * _valid_slices(qr, kr, mt, T)
+    assert tickets[-1].item() == (n_work + n_prog if is_ticketed else 0), f"{kind}: ticketed={is_ticketed}"
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")

@@ -335,6 +335,10 @@ class FwdConfig:
     # Gluon only: programs take their next work item from a counter shared by the launch as they
     # finish one (the same order, no fixed share per program; docs/design.md, "Dynamic schedule").
     dynamic: bool = False
+    # Gluon only, with dynamic: each launch takes the counter's order only when the mask's valid slices
+    # average at least constants.DYNAMIC_MIN_SLICE_ROWS query rows, else the fixed share's items
+    # (docs/design.md, "Dynamic schedule").
+    adaptive: bool = False
     # Gluon only: a ring slot's key and value tiles have barriers of their own, and each key tile is loaded
     # ahead of the value tile before it (docs/design.md, "Split key and value barriers").
     split_kv: bool = False
@@ -384,6 +388,8 @@ FWD_CONFIGS = [
               persistent=True, merge=True),
     FwdConfig("sm90pppmd_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, dynamic=True),
+    FwdConfig("sm90pppma_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
+              persistent=True, merge=True, dynamic=True, adaptive=True),
     FwdConfig("sm90pppmk_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, split_kv=True),
     FwdConfig("sm90pppmk_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
@@ -745,9 +751,9 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
-        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, ticket_ptr
+        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, ticket_ptr
         args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), config.dynamic,
-                       config.split_kv, config.q_buffers, _ticket(config.dynamic, lse))
+                       config.adaptive, config.split_kv, config.q_buffers, _ticket(config.dynamic, lse))
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)

@@ -12,7 +12,8 @@ slices of its plan window in order with one online softmax), heavy-first order
 and plan as the Triton kernel. On the Triton kernel's grid a program computes
 one item; on a persistent grid (the default config) each walks several
 (``sm90_common.nth_work``), or with ``IS_DYNAMIC`` takes them one by one from a
-counter (``sm90_common.take_item``), with the same bits. What differs is the schedule,
+counter (``sm90_common.take_item``; with ``IS_ADAPTIVE`` only where the mask's
+slices are long, ``sm90_common.takes_tickets``), with the same bits. What differs is the schedule,
 which Triton's compiler does not produce from the Triton kernel. The program is
 warp-specialized:
 
@@ -43,8 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
-from .sm90_common import (bounded_desc, issue_tiles, load_slice, nth_work, packed_qkv, post_item,
-                          read_ticket, read_work, sched_buffers, store_rows, take_item, tma_load,
+from .sm90_common import (bounded_desc, issue_tiles, load_slice, next_item, nth_work, packed_qkv, post_item,
+                          read_ticket, read_work, sched_buffers, store_rows, takes_tickets, tma_load,
                           wait_halves_free, wait_tiles_landed)
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -276,7 +277,8 @@ def _ws_producer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -298,7 +300,9 @@ def _ws_producer(
     last_b = it - 1
     q_free = smem[4]
     if IS_DYNAMIC:
-        w = take_item(sched[0])
+        # With IS_ADAPTIVE the fixed share's items may go through the same posting (measured free).
+        is_ticketed = takes_tickets(Tq, order_ptrs[1], BLOCK_M * SPLIT, IS_ADAPTIVE)
+        w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
             pid_h, pid_kvh, r0, r1, s_lo, s_hi = work
@@ -307,7 +311,7 @@ def _ws_producer(
                                                      packed, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                      HAS_PACKED_HEADS, IS_MERGING, IS_KV_SPLIT, Q_BUFS)
             wi += 1
-            w = take_item(sched[0])
+            w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         # The end: a ticket past the list.
         post_item(sched, q_free, wi, w, (0, 0, 0, 0, 0))
     else:
@@ -611,7 +615,8 @@ def _ws_consumer_1(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
+    IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
@@ -635,12 +640,14 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_WARP_SPECIALIZED: gl.constexpr, DOT_PRECISION: gl.constexpr, IS_BF16_EMULATED: gl.constexpr,
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, ticket_ptr,
+    IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
+    ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
     of q, k and v holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
-    program, sm90_common), ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``) and ``IS_KV_SPLIT``
+    program, sm90_common), ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``; with ``IS_ADAPTIVE``
+    only when the mask's slices are long, sm90_common.takes_tickets), ``IS_KV_SPLIT``
     (each ring slot's key and value tiles land and are released on barriers of their own) and ``Q_BUFS`` (query
     blocks used by turns: with two, the next item's queries load while this item's are in use).
 
@@ -652,6 +659,7 @@ def range_attn_fwd_sm90_ws_kernel(
     gl.static_assert(IS_PINGPONG or not IS_KV_SPLIT, "split key and value barriers need the ping-pong consumers")
     # The dynamic schedule posts an item once the previous item's query halves are free.
     gl.static_assert(Q_BUFS == 1 or not IS_DYNAMIC, "two query blocks need the fixed share")
+    gl.static_assert(IS_DYNAMIC or not IS_ADAPTIVE, "the adaptive schedule is a dynamic one")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -698,8 +706,8 @@ def range_attn_fwd_sm90_ws_kernel(
                         Q_BUFS, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                           HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
-                          IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS)),
+                          IS_MERGING, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS)),
         (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
-                        IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS)),
+                        IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS)),
     ], [4, 1], [240, 24])

@@ -27,9 +27,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "nth_work",
-           "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
-           "take_item", "tma_load", "wait_halves_free", "wait_tiles_landed"]
+from ..constants import DYNAMIC_MIN_SLICE_ROWS
+
+__all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "next_item",
+           "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
+           "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
+
+_MIN_SLICE_ROWS = gl.constexpr(DYNAMIC_MIN_SLICE_ROWS)
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -198,6 +202,36 @@ def take_item(ticket_ptr):
     """The next work item: the counter's value before this program's add (the launch zeroes it). Past
     the list once every item is taken; each program stops at one such ticket."""
     return gl.atomic_add(ticket_ptr, 1, sem="relaxed")
+
+
+@gluon.jit
+def takes_tickets(Tq, block_hi_ptr, PLAN_ROWS: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
+    """Whether a dynamic schedule's producers take their items from the counter (:func:`take_item`), or with
+    ``IS_ADAPTIVE`` only when the mask's valid slices average at least ``DYNAMIC_MIN_SLICE_ROWS`` query rows,
+    else the fixed share's (:func:`next_item`). Every program reads the same plan, so all choose alike (a mix
+    would run some items twice and skip others). The plan's last ``block_hi`` (blocks of ``PLAN_ROWS``) counts
+    the valid slices: they come first, by start, and all start before ``Tq``."""
+    if IS_ADAPTIVE:
+        n_blocks = gl.cdiv(Tq, PLAN_ROWS)
+        n_valid = gl.load(block_hi_ptr + gl.maximum(n_blocks - 1, 0), mask=n_blocks > 0, other=0)
+        return Tq >= _MIN_SLICE_ROWS * n_valid
+    else:
+        return Tq >= 0  # not read: without IS_ADAPTIVE next_item always takes a ticket
+
+
+@gluon.jit
+def next_item(ticket_ptr, wi, is_ticketed, IS_ADAPTIVE: gl.constexpr):
+    """A producer's item number ``wi`` of its program: the counter's next ticket (:func:`take_item`), or with
+    ``IS_ADAPTIVE`` and not ``is_ticketed`` (:func:`takes_tickets`) the fixed share's (:func:`nth_work`).
+    Either runs past the list at its end."""
+    if IS_ADAPTIVE:
+        if is_ticketed:
+            w = take_item(ticket_ptr)
+        else:
+            w = nth_work(wi, gl.num_programs(0))
+    else:
+        w = take_item(ticket_ptr)
+    return w
 
 
 @gluon.jit
