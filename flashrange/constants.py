@@ -24,7 +24,8 @@ __all__ = [
     "kernel_head_dims_ok",
     "KERNEL_DTYPES",
     "PLAN_BLOCK",
-    "DYNAMIC_MIN_SLICE_ROWS",
+    "FWD_DYNAMIC_MIN_ROWS",
+    "BWD_DYNAMIC_MAX_ROWS",
     "STRICT_ENV",
 ]
 
@@ -63,10 +64,13 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # gradient kernels whatever their tile sizes.
 PLAN_BLOCK = 128
 
-# The Hopper forward's adaptive schedule (docs/design.md, "Dynamic schedule") takes work items from a shared
-# counter when the mask's valid slices average at least this many query rows, else by a fixed share: short
-# slices make short items, where the counter's order was measured slower than the fixed share.
-DYNAMIC_MIN_SLICE_ROWS = 512
+# The Hopper kernels' adaptive schedules (docs/design.md, "Dynamic schedule") take work items from a shared
+# counter or by a fixed share, by the mean length of the mask's valid slices along the kernel's major axis
+# (rows, or keys for dK/dV). The forward takes the counter from this many rows up: short slices make short
+# items, where its order was measured slower than the fixed share ...
+FWD_DYNAMIC_MIN_ROWS = 512
+# ... and the backward up to this many: it gained on documents and lost a few percent on long slices.
+BWD_DYNAMIC_MAX_ROWS = 4096
 
 # Environment variable that turns strict value checks on for every call.
 STRICT_ENV = "FLASHRANGE_STRICT"

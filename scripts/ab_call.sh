@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The runs of one device call, edited per session (logs under $OUT; carry "ab" for the plan step). Left by the
 # twenty-fourth session, which timed the split key and value barriers and the dynamic schedule's parts on an
-# H100 (BENCHMARKS.md) and built the adaptive schedule (sm90pppma: the counter's order or the fixed share's,
-# chosen per launch on the device from the mask's mean slice length) without a GPU:
-#   tests  the GPU tests of the dynamic and adaptive schedules (bitwise equal to the default; the adaptive
-#          one's choice read from its counter) and of merged tiles;
+# H100 (BENCHMARKS.md) and built the adaptive schedules (forward sm90pppma, backward BwdConfig.adaptive: the
+# counter's order or the fixed share's, chosen per launch on the device from the mask's mean slice length)
+# without a GPU:
+#   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
+#          fixed share; the adaptive ones' choice read from their counters) and of merged tiles;
 #   fwd    the forward A/B with a fuzz: the default against the dynamic, adaptive and split-barrier configs,
 #          on document, dense, GQA and 32k cases (the adaptive one joins once its GPU tests pass);
 #   trace  where doc128's items spend their time under the dynamic schedule against the fixed share
 #          (scripts/trace_items.py --configs; export ab/trace here first: python scripts/trace_items.py --export);
-#   bwd    the backward A/B, default against dynamic;
+#   bwd    the backward A/B, default against dynamic and adaptive (adaptive once the tests passed);
 #   plan   the plan's group maximum by integer atomics (ab/atomic, exported from
 #          scripts/pending/plan_group_atomic.patch: bash scripts/ab_export.sh HEAD atomic <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -28,8 +29,8 @@ ab() {  # name, time limit (s), ab.py args...
 STEPS="${STEPS:-tests fwd trace bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then
-  timeout 200 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py \
-    -k "dynamic or adaptive or merg" > "$OUT/pytest_dyn.log" 2>&1
+  timeout 240 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py \
+    tests/test_gpu_backward.py -k "dynamic or adaptive or merg" > "$OUT/pytest_dyn.log" 2>&1
   rc=$?; echo "pytest rc=$rc" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
   [ $rc = 0 ] && adaptive_ok=1
 fi
@@ -51,8 +52,10 @@ if has trace; then
   echo "trace rc=$?" | tee -a "$OUT/rc.txt"; cat "$OUT/trace.log" | tail -20
 fi
 if has bwd; then
-  ab bwd 160 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
-    --cases doc16-32k,doc128-32k,longshort-32k,causal-8k,full-8k
+  bwd_adaptive=""
+  [ "${adaptive_ok:-0}" = 1 ] && bwd_adaptive="--bwd main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic+adaptive"
+  ab bwd 200 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
+    $bwd_adaptive --cases doc16-32k,doc128-32k,longshort-32k,sharedq-32k,causal-8k,full-8k,swa2048-32k
 fi
 if has plan; then
   timeout 90 python scripts/plan_cost.py --against atomic > "$OUT/plan.log" 2>&1

@@ -240,6 +240,13 @@ def backward_builds():
               ("d64-bf16-dynamic-gluon", 64, 64, torch.bfloat16, 0.0, False, False,
                bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
                              dynamic=True))]
+    # ... and on the adaptive one (the counter or the fixed share, chosen per launch from the plan).
+    cases += [("d128-bf16-adaptive-gluon", 128, 128, torch.bfloat16, 0.0, False, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             dynamic=True, adaptive=True)),
+              ("d64-fp16-softcap-dlse-adaptive-gluon", 64, 64, torch.float16, 20.0, True, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             dynamic=True, adaptive=True))]
     for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)

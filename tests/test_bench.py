@@ -331,6 +331,20 @@ def _ab_main():
     return _script("ab")
 
 
+def test_ab_backward_config_reads_every_flag():
+    """``scripts/ab.py``'s backward config strings: the eight numbers and each flag, ``adaptive`` passed only when
+    given (an exported earlier flashrange's config may not have it)."""
+    from flashrange.kernels.backward import BwdConfig
+
+    ab = _ab_main()
+    cfg = ab.backward_config("64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic+adaptive+chunks2", BwdConfig)
+    assert cfg == BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                            dynamic=True, adaptive=True, kv_head_chunks=2)
+    seen = []
+    ab.backward_config("64,128,8,3,128,64,8,3,dkdv+persistent+dynamic", lambda *a, **k: seen.append(k))
+    assert "adaptive" not in seen[0] and seen[0]["dynamic"] and not seen[0]["gluon_dq"]
+
+
 def test_ab_fuzz_passes_equal_variants_and_flags_a_wrong_one(capsys, monkeypatch):
     """``scripts/ab.py`` (the GPU A/B harness) on the CPU: two forward configs of the same kernels pass its
     float64 fuzz, and a variant whose output is off by 1% fails it."""

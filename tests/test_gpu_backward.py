@@ -362,13 +362,14 @@ def test_offsets_past_int32_in_a_strided_view():
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _gluon_config(D, Dv, dtype, persistent=False, dynamic=False):
+def _gluon_config(D, Dv, dtype, persistent=False, dynamic=False, adaptive=False):
     import dataclasses
 
     from flashrange.kernels.backward import default_config
 
     return dataclasses.replace(default_config(D, Dv, dtype, torch.device(DEV)), kv_block_n=128, q_block_m=128,
-                               gluon_dkdv=True, gluon_dq=True, persistent=persistent, dynamic=dynamic)
+                               gluon_dkdv=True, gluon_dq=True, persistent=persistent, dynamic=dynamic,
+                               adaptive=adaptive, kv_head_chunks=1)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
@@ -497,13 +498,15 @@ def test_gluon_backward_persistent_grid_is_bitwise_the_same():
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("adaptive", [False, True], ids=["dynamic", "adaptive"])
+@pytest.mark.parametrize("kind", ["documents", "causal"])
 @pytest.mark.parametrize("D", [128, 64], ids=["d128", "d64"])
-def test_gluon_backward_dynamic_schedule_is_bitwise_the_same(D):
+def test_gluon_backward_dynamic_schedule_is_bitwise_the_same(D, kind, adaptive):
     """Programs that take their items from a counter give the bits of the fixed share, on every call (each
     call's counters start from zero: gradients left unwritten would keep the NaN put where they are
-    allocated)."""
+    allocated). The adaptive schedule takes the counter on the documents and the fixed share on causal."""
     T = 8191
-    rows = _docs(T, 37, 7) + [(100, 3000, 50, 2900, FULL), (4000, 8191, 4000, 8000, INV_CAUSAL)]
+    rows = _backward_schedule_rows(T, kind)
     (dq, dk, dv), (q, k, v, do, out, lse, dlse, *_) = _three_way(
         T, T, 8, 4, D, D, rows, torch.bfloat16, seed=7, golden=False,
         config=_gluon_config(D, D, torch.bfloat16, persistent=True))
@@ -513,9 +516,49 @@ def test_gluon_backward_dynamic_schedule_is_bitwise_the_same(D):
         del poison
         got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
                                               config=_gluon_config(D, D, torch.bfloat16, persistent=True,
-                                                                   dynamic=True))
+                                                                   dynamic=True, adaptive=adaptive))
         for a, b in zip((dq, dk, dv), got):
             assert torch.equal(a, b)
+
+
+def _backward_schedule_rows(T, kind):
+    if kind == "causal":
+        return [(0, T, 0, T, CAUSAL)]
+    return _docs(T, 37, 7) + [(100, 3000, 50, 2900, FULL), (4000, 8191, 4000, 8000, INV_CAUSAL)]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["documents", "causal", "two-long"])
+def test_gluon_backward_adaptive_schedule_takes_tickets_only_for_short_slices(monkeypatch, kind):
+    """Each kernel's choice, read from its counter after the call: every item plus one ticket past the list per
+    program when the valid slices average at most BWD_DYNAMIC_MAX_ROWS along its major axis (queries for dQ,
+    keys for dK/dV), none above. Counted here from the rows, not from the plan."""
+    from flashrange.constants import BWD_DYNAMIC_MAX_ROWS
+    from flashrange.kernels import backward as bwd
+
+    T, Hq, Hkv = 8191, 8, 4
+    if kind == "two-long":  # two slices: 4095.5 tokens each on average, just inside the threshold on both axes
+        rows = [(0, 4096, 0, 4096, CAUSAL), (4096, T, 4096, 4200, FULL)]
+    else:
+        rows = _backward_schedule_rows(T, kind)
+    (_, _, _), (q, k, v, do, out, lse, dlse, *_) = _three_way(T, T, Hq, Hkv, 128, 128, rows, torch.bfloat16, seed=9,
+                                                              golden=False,
+                                                              config=_gluon_config(128, 128, torch.bfloat16))
+    qr, kr, mt = _ranges(rows)
+    tickets = []
+    make_tickets = bwd._tickets
+    monkeypatch.setattr(bwd, "_tickets", lambda dev: tickets.append(make_tickets(dev)) or tickets[-1])
+    range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
+                                    config=_gluon_config(128, 128, torch.bfloat16, persistent=True, dynamic=True,
+                                                         adaptive=True))
+    torch.cuda.synchronize()
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    valid = [r for r in rows if r[1] > r[0] and r[3] > r[2]]
+    for counter, T_major, heads, name in ((0, T, Hq, "dQ"), (1, T, Hkv, "dK/dV")):
+        n_work = -(-T_major // 128) * heads
+        is_ticketed = T_major <= BWD_DYNAMIC_MAX_ROWS * len(valid)
+        want = n_work + min(n_work, n_sms) if is_ticketed else 0
+        assert tickets[-1][counter].item() == want, f"{kind}, {name}: ticketed={is_ticketed}"
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")

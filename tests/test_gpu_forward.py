@@ -592,9 +592,9 @@ def _valid_slices(qr, kr, mt, T):
 @pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
 def test_hopper_adaptive_schedule_takes_tickets_only_for_long_slices(monkeypatch, kind):
     """The adaptive schedule's choice, read from its counter after the launch: every item and one ticket past
-    the list per program when the valid slices average DYNAMIC_MIN_SLICE_ROWS query rows or more (then the
+    the list per program when the valid slices average FWD_DYNAMIC_MIN_ROWS query rows or more (then the
     counter's order), none below (the fixed share's). Counted here from the ranges, not from the plan."""
-    from flashrange.constants import DYNAMIC_MIN_SLICE_ROWS
+    from flashrange.constants import FWD_DYNAMIC_MIN_ROWS
     from flashrange.kernels import forward as fwd
 
     T, Hq = 8191, 8
@@ -607,7 +607,8 @@ def test_hopper_adaptive_schedule_takes_tickets_only_for_long_slices(monkeypatch
     torch.cuda.synchronize()
     n_work = -(-T // 128) * Hq
     n_prog = min(n_work, torch.cuda.get_device_properties(0).multi_processor_count)
-    is_ticketed = T >= DYNAMIC_MIN_SLICE_ROWS * _valid_slices(qr, kr, mt, T)
+    n_valid = _valid_slices(qr, kr, mt, T)
+    is_ticketed = n_valid > 0 and T >= FWD_DYNAMIC_MIN_ROWS * n_valid
     assert tickets[-1].item() == (n_work + n_prog if is_ticketed else 0), f"{kind}: ticketed={is_ticketed}"
 
 

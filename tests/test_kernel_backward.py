@@ -208,6 +208,12 @@ def test_default_configs_and_config_checks():
     with pytest.raises(ValueError, match="dynamic schedules a persistent grid"):
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, dynamic=True)
     assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True).dynamic
+    with pytest.raises(ValueError, match="must be a bool"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True, adaptive=1)
+    with pytest.raises(ValueError, match="adaptive chooses per launch"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, adaptive=True)
+    assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True,
+                     adaptive=True).adaptive
 
 
 def test_hopper_backward_refused_off_hopper():

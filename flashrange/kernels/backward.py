@@ -400,6 +400,10 @@ class BwdConfig:
     # finish one (the same list and order; no fixed share per program, which leaves some programs idle
     # while others still work when the items' costs differ: docs/design.md, "Dynamic schedule").
     dynamic: bool = False
+    # With dynamic: each launch takes the counter's order only when the mask's valid slices average at most
+    # constants.BWD_DYNAMIC_MAX_ROWS along each kernel's major axis (queries for dQ, keys for dK/dV), else the
+    # fixed share's items (docs/design.md, "Dynamic schedule").
+    adaptive: bool = False
     # One key-major Triton launch that also accumulates dQ, in turns (kernels/backward_fused.py): five
     # matmuls per tile instead of seven, the same bits on every run. Opt-in (slower than the default on the
     # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
@@ -414,7 +418,7 @@ class BwdConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "fused_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -440,6 +444,9 @@ class BwdConfig:
         if self.dynamic and not self.persistent:
             raise ValueError("BwdConfig.dynamic schedules a persistent grid: set persistent too, or leave dynamic "
                              "False")
+        if self.adaptive and not self.dynamic:
+            raise ValueError("BwdConfig.adaptive chooses per launch whether the dynamic schedule takes the counter: "
+                             "set dynamic (and persistent) too, or leave adaptive False")
 
 
 def default_config(D: int, Dv: int, dtype: torch.dtype, device: torch.device, *, softcap: bool = False) -> BwdConfig:
@@ -627,7 +634,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         dkdv_grid = (n_kv_items * chunks,)
         # A dynamic schedule's counters of taken work items, one per Gluon kernel, zeroed per call.
         dynamic = gluon and cfg.dynamic
-        tickets = torch.zeros(2, dtype=torch.int32, device=dev) if dynamic else None
+        tickets = _tickets(dev) if dynamic else None
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
         for use_gluon, name, grid, args, stages, warps, kv, ticket in (
             (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v),
@@ -642,10 +649,10 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     # The Triton kernel below (a fallback) keeps the full grid.
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
-                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, ticket_ptr (the workspace stands in for
-                    # a counter the kernel does not touch)
+                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, ticket_ptr (the workspace
+                    # stands in for a counter the kernel does not touch)
                     launch(_gluon_kernel(name), gluon_grid,
-                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, ticket),
+                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive, ticket),
                            num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
@@ -660,6 +667,11 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
             dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
     return dq, dk, dv
+
+
+def _tickets(dev):
+    """A dynamic schedule's counters of taken work items, dQ's then dK/dV's, zeroed for one call."""
+    return torch.zeros(2, dtype=torch.int32, device=dev)
 
 
 def kv_head_chunks_for(n_items: int, group: int, n_sms: int) -> int:

@@ -48,12 +48,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from ..constants import BWD_DYNAMIC_MAX_ROWS
 from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_program, query_span,
                      slice_diagonals)
-from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, nth_work, packed_qkv, post_item,
-                          read_ticket, read_work, sched_buffers, store_rows, take_item, tma_load, wait_halves_free)
+from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, next_item, nth_work, packed_qkv,
+                          post_item, read_ticket, read_work, sched_buffers, store_rows, takes_tickets, tma_load,
+                          wait_halves_free)
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
+
+# The adaptive schedule's window of mean slice lengths that take the counter (sm90_common.takes_tickets).
+_MIN_ROWS = gl.constexpr(0)
+_MAX_ROWS = gl.constexpr(BWD_DYNAMIC_MAX_ROWS)
 
 
 @gluon.jit
@@ -216,7 +222,7 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b, p
 def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
               HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
+              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -238,7 +244,8 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
     last_b = it - 1
     kv_free = smem[5]
     if IS_DYNAMIC:
-        w = take_item(sched[0])
+        is_ticketed = takes_tickets(Tk, block_hi_ptr, BLOCK_N * SPLIT, IS_ADAPTIVE, _MIN_ROWS, _MAX_ROWS)
+        w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
             post_item(sched, kv_free, wi, w, work)
@@ -246,7 +253,7 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
                                                              packed, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                                                              HAS_PACKED_HEADS)
             wi += 1
-            w = take_item(sched[0])
+            w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         # The end: a ticket past the list.
         post_item(sched, kv_free, wi, w, (0, 0, 0, 0, 0))
     else:
@@ -470,7 +477,7 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
 def _consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                 HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
+                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
               IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
@@ -488,12 +495,13 @@ def bwd_dkdv_sm90_kernel(
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
-    ticket_ptr,
+    IS_ADAPTIVE: gl.constexpr, ticket_ptr,
 ):
     """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS``, ``HAS_PACKED_HEADS`` (each row
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
     program, sm90_common), ``IS_DYNAMIC`` and ``ticket_ptr`` (the programs take their items from this
-    zeroed counter, sm90_common.take_item; untouched otherwise); launched with 4 warps (the first consumer)
+    zeroed counter, sm90_common.take_item; untouched otherwise), ``IS_ADAPTIVE`` (with ``IS_DYNAMIC``: the
+    counter only when the mask's slices are short, sm90_common.takes_tickets); launched with 4 warps (the first consumer)
     plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
     grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -537,9 +545,9 @@ def bwd_dkdv_sm90_kernel(
         (_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
                      IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
         (_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
+                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
         (_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
+                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
     ], [4, 1], [240, 24])
 
 
@@ -595,7 +603,7 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed
 def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                  STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                 IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
+                 IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Tk, Hq, G = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -614,14 +622,15 @@ def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
     last_b = it - 1
     q_free = smem[4]
     if IS_DYNAMIC:
-        w = take_item(sched[0])
+        is_ticketed = takes_tickets(Tq, block_hi_ptr, BLOCK_M * SPLIT, IS_ADAPTIVE, _MIN_ROWS, _MAX_ROWS)
+        w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
             post_item(sched, q_free, wi, w, work)
             it, n_sl, last_a, last_b = _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed,
                                                         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HAS_PACKED_HEADS)
             wi += 1
-            w = take_item(sched[0])
+            w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         # The end: a ticket past the list.
         post_item(sched, q_free, wi, w, (0, 0, 0, 0, 0))
     else:
@@ -821,7 +830,7 @@ def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
 def _dq_consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                    STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                   IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr):
+                   IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
     _dq_consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
                  STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
 
@@ -840,11 +849,11 @@ def bwd_dq_sm90_kernel(
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
-    ticket_ptr,
+    IS_ADAPTIVE: gl.constexpr, ticket_ptr,
 ):
     """The Triton dQ kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` (``BLOCK_M`` = 128),
-    ``HAS_PACKED_HEADS`` (q, k and v), ``IS_DYNAMIC`` and ``ticket_ptr``, as in the dK/dV kernel; on its
-    grid each program owns one work item, on a smaller (persistent) grid each walks several."""
+    ``HAS_PACKED_HEADS`` (q, k and v), ``IS_DYNAMIC``, ``IS_ADAPTIVE`` and ``ticket_ptr``, as in the dK/dV
+    kernel; on its grid each program owns one work item, on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_M // 2
     d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_D * 2, 128), element_bitwidth=16)
@@ -876,7 +885,7 @@ def bwd_dq_sm90_kernel(
         (_dq_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
         (_dq_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                          HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
+                          HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
         (_dq_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC)),
+                        HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
     ], [4, 1], [240, 24])

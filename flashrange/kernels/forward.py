@@ -336,7 +336,7 @@ class FwdConfig:
     # finish one (the same order, no fixed share per program; docs/design.md, "Dynamic schedule").
     dynamic: bool = False
     # Gluon only, with dynamic: each launch takes the counter's order only when the mask's valid slices
-    # average at least constants.DYNAMIC_MIN_SLICE_ROWS query rows, else the fixed share's items
+    # average at least constants.FWD_DYNAMIC_MIN_ROWS query rows, else the fixed share's items
     # (docs/design.md, "Dynamic schedule").
     adaptive: bool = False
     # Gluon only: a ring slot's key and value tiles have barriers of their own, and each key tile is loaded

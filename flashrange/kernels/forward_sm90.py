@@ -42,6 +42,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from ..constants import FWD_DYNAMIC_MIN_ROWS, MAX_TOKENS
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
 from .sm90_common import (bounded_desc, issue_tiles, load_slice, next_item, nth_work, packed_qkv, post_item,
@@ -49,6 +50,10 @@ from .sm90_common import (bounded_desc, issue_tiles, load_slice, next_item, nth_
                           wait_halves_free, wait_tiles_landed)
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
+
+# The adaptive schedule's window of mean slice lengths that take the counter (sm90_common.takes_tickets).
+_MIN_ROWS = gl.constexpr(FWD_DYNAMIC_MIN_ROWS)
+_MAX_ROWS = gl.constexpr(MAX_TOKENS)
 
 
 @gluon.jit
@@ -301,7 +306,7 @@ def _ws_producer(
     q_free = smem[4]
     if IS_DYNAMIC:
         # With IS_ADAPTIVE the fixed share's items may go through the same posting (measured free).
-        is_ticketed = takes_tickets(Tq, order_ptrs[1], BLOCK_M * SPLIT, IS_ADAPTIVE)
+        is_ticketed = takes_tickets(Tq, order_ptrs[1], BLOCK_M * SPLIT, IS_ADAPTIVE, _MIN_ROWS, _MAX_ROWS)
         w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)

@@ -27,13 +27,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ..constants import DYNAMIC_MIN_SLICE_ROWS
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "next_item",
            "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
            "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
-
-_MIN_SLICE_ROWS = gl.constexpr(DYNAMIC_MIN_SLICE_ROWS)
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -205,18 +202,19 @@ def take_item(ticket_ptr):
 
 
 @gluon.jit
-def takes_tickets(Tq, block_hi_ptr, PLAN_ROWS: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
+def takes_tickets(T, block_hi_ptr, PLAN_ROWS: gl.constexpr, IS_ADAPTIVE: gl.constexpr, MIN_ROWS: gl.constexpr,
+                  MAX_ROWS: gl.constexpr):
     """Whether a dynamic schedule's producers take their items from the counter (:func:`take_item`), or with
-    ``IS_ADAPTIVE`` only when the mask's valid slices average at least ``DYNAMIC_MIN_SLICE_ROWS`` query rows,
-    else the fixed share's (:func:`next_item`). Every program reads the same plan, so all choose alike (a mix
-    would run some items twice and skip others). The plan's last ``block_hi`` (blocks of ``PLAN_ROWS``) counts
-    the valid slices: they come first, by start, and all start before ``Tq``."""
+    ``IS_ADAPTIVE`` only when the mask's valid slices average ``MIN_ROWS`` to ``MAX_ROWS`` along the major
+    axis (``T`` long, blocks of ``PLAN_ROWS``), else the fixed share's (:func:`next_item`). Every program reads
+    the same plan, so all choose alike (a mix would run some items twice and skip others). The plan's last
+    ``block_hi`` counts the valid slices: they come first, by start, and all start before ``T``."""
     if IS_ADAPTIVE:
-        n_blocks = gl.cdiv(Tq, PLAN_ROWS)
-        n_valid = gl.load(block_hi_ptr + gl.maximum(n_blocks - 1, 0), mask=n_blocks > 0, other=0)
-        return Tq >= _MIN_SLICE_ROWS * n_valid
+        n_blocks = gl.cdiv(T, PLAN_ROWS)
+        n_valid = gl.load(block_hi_ptr + gl.maximum(n_blocks - 1, 0), mask=n_blocks > 0, other=0).to(gl.int64)
+        return (T >= MIN_ROWS * n_valid) & (T <= MAX_ROWS * n_valid)
     else:
-        return Tq >= 0  # not read: without IS_ADAPTIVE next_item always takes a ticket
+        return T >= 0  # not read: without IS_ADAPTIVE next_item always takes a ticket
 
 
 @gluon.jit
