@@ -6,7 +6,8 @@
 # without a GPU:
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
 #          fixed share; the adaptive ones' choice read from their counters) and of merged tiles;
-#   fwd    the forward A/B with a fuzz: the default against the dynamic, adaptive and split-barrier configs,
+#   fwd    the forward A/B with a fuzz: the default against the dynamic, adaptive, split-barrier and adaptive
+#          with split barriers (sm90pppmak) configs,
 #          on document, dense, GQA and 32k cases (the adaptive one joins once its GPU tests pass);
 #   trace  where doc128's items spend their time under the dynamic schedule against the fixed share
 #          (scripts/trace_items.py --configs; export ab/trace here first: python scripts/trace_items.py --export);
@@ -38,7 +39,7 @@ if has fwd; then
   # The adaptive schedule joins the A/B only once its GPU tests passed (a kernel that hangs would take the
   # whole A/B with it).
   adaptive=""
-  [ "${adaptive_ok:-0}" = 1 ] && adaptive="--fwd main:sm90pppma_m128_n128_w4_s3"
+  [ "${adaptive_ok:-0}" = 1 ] && adaptive="--fwd main:sm90pppma_m128_n128_w4_s3 --fwd main:sm90pppmak_m128_n128_w4_s2"
   ab fwd 300 --fuzz 2 --fwd main:default --fwd main:sm90pppmd_m128_n128_w4_s3 $adaptive \
     --fwd main:sm90pppmk_m128_n128_w4_s2 \
     --cases doc16-32k,doc128-32k,doc1024-32k,longshort-32k,causal-8k,full-8k,causal-32k,full-16k-gqa32:8

@@ -153,6 +153,8 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d64-fp16-documents-softcap-maxlogits-gluon-adaptive", 64, 64, torch.float16, "sm90pppma_m128_n128_w4_s3",
          _docs(300, 9), 30.0, True, False),
+        ("d128-bf16-documents-gluon-adaptive-split-kv", 128, 128, torch.bfloat16, "sm90pppmak_m128_n128_w4_s2",
+         _docs(300, 9), 0.0, False, False),
         # Split key and value barriers: two slots (the 16-byte output stores at head dim 128 then fit) and three,
         # packed heads and per-head descriptors (a padded view), softcap and row maxima.
         ("d128-bf16-documents-gluon-split-kv-two-slots", 128, 128, torch.bfloat16, "sm90pppmk_m128_n128_w4_s2",

@@ -554,8 +554,8 @@ def test_hopper_persistent_grid_is_bitwise_the_same(kind):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("config", ["sm90pppmd_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3"],
-                         ids=["dynamic", "adaptive"])
+@pytest.mark.parametrize("config", ["sm90pppmd_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3",
+                                    "sm90pppmak_m128_n128_w4_s2"], ids=["dynamic", "adaptive", "adaptive-split-kv"])
 @pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
 def test_hopper_dynamic_schedule_is_bitwise_the_same(kind, config):
     """Programs that take their items from a shared counter give the bits of the fixed zig-zag share, on

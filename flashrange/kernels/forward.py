@@ -390,6 +390,8 @@ FWD_CONFIGS = [
               persistent=True, merge=True, dynamic=True),
     FwdConfig("sm90pppma_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, dynamic=True, adaptive=True),
+    FwdConfig("sm90pppmak_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True,
+              pingpong=True, persistent=True, merge=True, dynamic=True, adaptive=True, split_kv=True),
     FwdConfig("sm90pppmk_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, split_kv=True),
     FwdConfig("sm90pppmk_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
