@@ -24,8 +24,8 @@ __all__ = [
     "kernel_head_dims_ok",
     "KERNEL_DTYPES",
     "PLAN_BLOCK",
-    "FWD_DYNAMIC_MIN_ROWS",
-    "BWD_DYNAMIC_MAX_ROWS",
+    "FWD_DYNAMIC_MIN_LEN",
+    "BWD_DYNAMIC_MAX_LEN",
     "STRICT_ENV",
 ]
 
@@ -65,12 +65,13 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PLAN_BLOCK = 128
 
 # The Hopper kernels' adaptive schedules (docs/design.md, "Dynamic schedule") take work items from a shared
-# counter or by a fixed share, by the mean length of the mask's valid slices along the kernel's major axis
-# (rows, or keys for dK/dV). The forward takes the counter from this many rows up: short slices make short
-# items, where its order was measured slower than the fixed share ...
-FWD_DYNAMIC_MIN_ROWS = 512
-# ... and the backward up to this many: it gained on documents and lost a few percent on long slices.
-BWD_DYNAMIC_MAX_ROWS = 4096
+# counter or by a fixed share, by the length along the kernel's major axis (rows, or keys for dK/dV) of the
+# slice where the mask's work is (the first of the plan's heaviest block's window). The forward takes the
+# counter from this length up: short slices make short items, where its order was measured slower than the
+# fixed share ...
+FWD_DYNAMIC_MIN_LEN = 512
+# ... and the backward up to this one: it gained on documents and lost a few percent on long slices.
+BWD_DYNAMIC_MAX_LEN = 4096
 
 # Environment variable that turns strict value checks on for every call.
 STRICT_ENV = "FLASHRANGE_STRICT"

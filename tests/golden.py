@@ -332,3 +332,28 @@ def heads_padded_view(t):
     wide = torch.zeros(t.shape[0], t.shape[1], t.shape[2] + 64, dtype=t.dtype, device=t.device)
     wide[..., : t.shape[2]] = t
     return wide[..., : t.shape[2]]
+
+
+def heaviest_block_document(docs, T, key_major=False, block=128):
+    """For a mask of causal documents ``docs`` (``(start, end)`` pairs tiling ``[0, T)``, queries and keys
+    alike): the ``(start, end)`` of the document where the heaviest block of ``block`` rows (or keys, with
+    ``key_major``) starts, blocks weighed by their covered cells from the causal rule (row ``i`` of
+    ``[a, e)`` sees ``i - a + 1`` keys; key ``j`` is seen by ``e - j`` rows), the first of equals."""
+    weight = torch.zeros(-(-T // block) * block, dtype=torch.int64)
+    for a, e in docs:
+        idx = torch.arange(a, e)
+        weight[a:e] = (e - idx) if key_major else (idx - a + 1)
+    # argmax returns the first of equal maxima
+    start = int(torch.argmax(weight.view(-1, block).sum(1))) * block
+    return next((a, e) for a, e in docs if a <= start < e)
+
+
+def causal_documents(lengths):
+    """``(q_ranges, k_ranges, mask_types)`` and the ``(start, end)`` list of causal documents of ``lengths``,
+    side by side from token 0."""
+    docs, a = [], 0
+    for n in lengths:
+        docs.append((a, a + n))
+        a += n
+    r = torch.tensor(docs, dtype=torch.int32).reshape(-1, 2)
+    return (r, r.clone(), torch.full((len(docs),), CAUSAL, dtype=torch.int32)), docs

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from golden import (assert_three_way, grad_inputs, heads_padded_view, random_slice_rows, short_slice_rows,
+from golden import (assert_three_way, causal_documents, heaviest_block_document, grad_inputs, heads_padded_view, random_slice_rows, short_slice_rows,
                     shuffled_and_padded)
 
 pytestmark = [
@@ -528,37 +528,37 @@ def _backward_schedule_rows(T, kind):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
-@pytest.mark.parametrize("kind", ["documents", "causal", "two-long"])
-def test_gluon_backward_adaptive_schedule_takes_tickets_only_for_short_slices(monkeypatch, kind):
+@pytest.mark.parametrize("lengths", [[8191], [4096] + [16] * 255 + [15], [2048, 3000, 3143], [6000, 2191],
+                                     [300] * 27 + [91]],
+                         ids=["causal", "long-and-short", "three-documents", "long-first", "doc-300"])
+def test_gluon_backward_adaptive_schedule_takes_tickets_only_for_short_slices(monkeypatch, lengths):
     """Each kernel's choice, read from its counter after the call: every item plus one ticket past the list per
-    program when the valid slices average at most BWD_DYNAMIC_MAX_ROWS along its major axis (queries for dQ,
-    keys for dK/dV), none above. Counted here from the rows, not from the plan."""
-    from flashrange.constants import BWD_DYNAMIC_MAX_ROWS
+    program when the document where the heaviest block starts (128 rows for dQ, 128 keys for dK/dV) is at
+    most BWD_DYNAMIC_MAX_LEN long, none otherwise. The heaviest blocks are found here from the causal rule,
+    not from the plan."""
+    from flashrange.constants import BWD_DYNAMIC_MAX_LEN
     from flashrange.kernels import backward as bwd
 
     T, Hq, Hkv = 8191, 8, 4
-    if kind == "two-long":  # two slices: 4095.5 tokens each on average, just inside the threshold on both axes
-        rows = [(0, 4096, 0, 4096, CAUSAL), (4096, T, 4096, 4200, FULL)]
-    else:
-        rows = _backward_schedule_rows(T, kind)
+    (qr, kr, mt), docs = causal_documents(lengths)
+    rows = [(a, e, a, e, CAUSAL) for a, e in docs]
     (_, _, _), (q, k, v, do, out, lse, dlse, *_) = _three_way(T, T, Hq, Hkv, 128, 128, rows, torch.bfloat16, seed=9,
                                                               golden=False,
                                                               config=_gluon_config(128, 128, torch.bfloat16))
-    qr, kr, mt = _ranges(rows)
     tickets = []
     make_tickets = bwd._tickets
     monkeypatch.setattr(bwd, "_tickets", lambda dev: tickets.append(make_tickets(dev)) or tickets[-1])
-    range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse,
+    range_attention_backward_triton(do, q, k, v, out, lse, qr.to(DEV), kr.to(DEV), mt.to(DEV), None, 0.0, dlse,
                                     config=_gluon_config(128, 128, torch.bfloat16, persistent=True, dynamic=True,
                                                          adaptive=True))
     torch.cuda.synchronize()
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    valid = [r for r in rows if r[1] > r[0] and r[3] > r[2]]
-    for counter, T_major, heads, name in ((0, T, Hq, "dQ"), (1, T, Hkv, "dK/dV")):
-        n_work = -(-T_major // 128) * heads
-        is_ticketed = T_major <= BWD_DYNAMIC_MAX_ROWS * len(valid)
+    for counter, heads, key_major, name in ((0, Hq, False, "dQ"), (1, Hkv, True, "dK/dV")):
+        n_work = -(-T // 128) * heads
+        a, e = heaviest_block_document(docs, T, key_major)
+        is_ticketed = e - a <= BWD_DYNAMIC_MAX_LEN
         want = n_work + min(n_work, n_sms) if is_ticketed else 0
-        assert tickets[-1][counter].item() == want, f"{kind}, {name}: ticketed={is_ticketed}"
+        assert tickets[-1][counter].item() == want, f"{name}: ticketed={is_ticketed}"
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")

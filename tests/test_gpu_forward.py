@@ -28,7 +28,8 @@ from flashrange.kernels.forward import (  # noqa: E402
     default_config,
     range_attention_forward_triton,
 )
-from golden import dense_counts, heads_padded_view, packed_document_rows, short_slice_rows  # noqa: E402
+from golden import (causal_documents, dense_counts, heads_padded_view, heaviest_block_document,  # noqa: E402
+                    packed_document_rows, short_slice_rows)
 from test_kernel_forward import (  # noqa: E402
     BI_CAUSAL,
     CAUSAL,
@@ -579,27 +580,30 @@ def test_hopper_dynamic_schedule_is_bitwise_the_same(kind, config):
         assert torch.equal(out, fixed[0]) and torch.equal(lse, fixed[1])
 
 
-def _valid_slices(qr, kr, mt, T):
-    """Slices that cover a cell, from the per-type rules: non-empty ranges of a known type, and a bi-causal
-    band no taller than it is wide."""
-    qs, qe = qr[:, 0].clamp(0, T), qr[:, 1].clamp(0, T)
-    ks, ke = kr[:, 0].clamp(0, T), kr[:, 1].clamp(0, T)
-    ok = (qe > qs) & (ke > ks) & (mt >= FULL) & (mt <= BI_CAUSAL)
-    return int((ok & ~((mt == BI_CAUSAL) & (qe - qs > ke - ks))).sum())
+# Causal documents whose heaviest block lies in a long document, or in short ones (T = 8191).
+_SCHEDULE_DOCS = {
+    "causal": [8191],
+    "doc16": [377, 512, 511, 700, 300, 640, 480, 512, 355, 600, 420, 611, 500, 433, 520, 720],
+    "long-and-short": [4096] + [16] * 255 + [15],
+    "short": [128] * 63 + [127],
+    "doc-300": [300] * 27 + [91],
+}
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
+@pytest.mark.parametrize("kind", list(_SCHEDULE_DOCS))
 def test_hopper_adaptive_schedule_takes_tickets_only_for_long_slices(monkeypatch, kind):
     """The adaptive schedule's choice, read from its counter after the launch: every item and one ticket past
-    the list per program when the valid slices average FWD_DYNAMIC_MIN_ROWS query rows or more (then the
-    counter's order), none below (the fixed share's). Counted here from the ranges, not from the plan."""
-    from flashrange.constants import FWD_DYNAMIC_MIN_ROWS
+    the list per program when the document where the heaviest 128-row block starts is FWD_DYNAMIC_MIN_LEN
+    rows or longer (then the counter's order), none otherwise (the fixed share's). The heaviest block is
+    found here from the causal rule, not from the plan."""
+    from flashrange.constants import FWD_DYNAMIC_MIN_LEN
     from flashrange.kernels import forward as fwd
 
     T, Hq = 8191, 8
+    (qr, kr, mt), docs = causal_documents(_SCHEDULE_DOCS[kind])
+    assert docs[-1][1] == T
     q, k, v = make_qkv(T, T, Hq, 2, 128, 128, torch.bfloat16, DEV, seed=23)
-    qr, kr, mt = _short_mask(T, 700, 5) if kind == "short" else _mask(kind, T, 4)
     tickets = []
     make_ticket = fwd._ticket
     monkeypatch.setattr(fwd, "_ticket", lambda dynamic, lse: tickets.append(make_ticket(dynamic, lse)) or tickets[-1])
@@ -607,8 +611,8 @@ def test_hopper_adaptive_schedule_takes_tickets_only_for_long_slices(monkeypatch
     torch.cuda.synchronize()
     n_work = -(-T // 128) * Hq
     n_prog = min(n_work, torch.cuda.get_device_properties(0).multi_processor_count)
-    n_valid = _valid_slices(qr, kr, mt, T)
-    is_ticketed = n_valid > 0 and T >= FWD_DYNAMIC_MIN_ROWS * n_valid
+    a, e = heaviest_block_document(docs, T)
+    is_ticketed = e - a >= FWD_DYNAMIC_MIN_LEN
     assert tickets[-1].item() == (n_work + n_prog if is_ticketed else 0), f"{kind}: ticketed={is_ticketed}"
 
 

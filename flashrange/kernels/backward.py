@@ -400,9 +400,9 @@ class BwdConfig:
     # finish one (the same list and order; no fixed share per program, which leaves some programs idle
     # while others still work when the items' costs differ: docs/design.md, "Dynamic schedule").
     dynamic: bool = False
-    # With dynamic: each launch takes the counter's order only when the mask's valid slices average at most
-    # constants.BWD_DYNAMIC_MAX_ROWS along each kernel's major axis (queries for dQ, keys for dK/dV), else the
-    # fixed share's items (docs/design.md, "Dynamic schedule").
+    # With dynamic: each launch takes the counter's order only when the slice where the mask's work is has at
+    # most constants.BWD_DYNAMIC_MAX_LEN tokens along each kernel's major axis (queries for dQ, keys for
+    # dK/dV), else the fixed share's items (docs/design.md, "Dynamic schedule").
     adaptive: bool = False
     # One key-major Triton launch that also accumulates dQ, in turns (kernels/backward_fused.py): five
     # matmuls per tile instead of seven, the same bits on every run. Opt-in (slower than the default on the

@@ -48,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ..constants import BWD_DYNAMIC_MAX_ROWS
+from ..constants import BWD_DYNAMIC_MAX_LEN
 from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_program, query_span,
                      slice_diagonals)
 from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, next_item, nth_work, packed_qkv,
@@ -57,9 +57,9 @@ from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, next
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
-# The adaptive schedule's window of mean slice lengths that take the counter (sm90_common.takes_tickets).
-_MIN_ROWS = gl.constexpr(0)
-_MAX_ROWS = gl.constexpr(BWD_DYNAMIC_MAX_ROWS)
+# The adaptive schedule's slice lengths that take the counter (sm90_common.takes_tickets).
+_MIN_LEN = gl.constexpr(0)
+_MAX_LEN = gl.constexpr(BWD_DYNAMIC_MAX_LEN)
 
 
 @gluon.jit
@@ -244,7 +244,7 @@ def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
     last_b = it - 1
     kv_free = smem[5]
     if IS_DYNAMIC:
-        is_ticketed = takes_tickets(Tk, block_hi_ptr, BLOCK_N * SPLIT, IS_ADAPTIVE, _MIN_ROWS, _MAX_ROWS)
+        is_ticketed = takes_tickets(ptrs[7], ptrs[8], Tk, True, IS_ADAPTIVE, _MIN_LEN, _MAX_LEN)
         w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
@@ -501,7 +501,7 @@ def bwd_dkdv_sm90_kernel(
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
     program, sm90_common), ``IS_DYNAMIC`` and ``ticket_ptr`` (the programs take their items from this
     zeroed counter, sm90_common.take_item; untouched otherwise), ``IS_ADAPTIVE`` (with ``IS_DYNAMIC``: the
-    counter only when the mask's slices are short, sm90_common.takes_tickets); launched with 4 warps (the first consumer)
+    counter only when the mask's heaviest slice is short, sm90_common.takes_tickets); launched with 4 warps (the first consumer)
     plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
     grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -622,7 +622,7 @@ def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
     last_b = it - 1
     q_free = smem[4]
     if IS_DYNAMIC:
-        is_ticketed = takes_tickets(Tq, block_hi_ptr, BLOCK_M * SPLIT, IS_ADAPTIVE, _MIN_ROWS, _MAX_ROWS)
+        is_ticketed = takes_tickets(ptrs[9], ptrs[10], Tq, False, IS_ADAPTIVE, _MIN_LEN, _MAX_LEN)
         w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)

@@ -335,9 +335,9 @@ class FwdConfig:
     # Gluon only: programs take their next work item from a counter shared by the launch as they
     # finish one (the same order, no fixed share per program; docs/design.md, "Dynamic schedule").
     dynamic: bool = False
-    # Gluon only, with dynamic: each launch takes the counter's order only when the mask's valid slices
-    # average at least constants.FWD_DYNAMIC_MIN_ROWS query rows, else the fixed share's items
-    # (docs/design.md, "Dynamic schedule").
+    # Gluon only, with dynamic: each launch takes the counter's order only when the slice where the mask's
+    # work is has at least constants.FWD_DYNAMIC_MIN_LEN rows, else the fixed share's items (docs/design.md,
+    # "Dynamic schedule").
     adaptive: bool = False
     # Gluon only: a ring slot's key and value tiles have barriers of their own, and each key tile is loaded
     # ahead of the value tile before it (docs/design.md, "Split key and value barriers").

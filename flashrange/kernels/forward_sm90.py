@@ -13,7 +13,7 @@ and plan as the Triton kernel. On the Triton kernel's grid a program computes
 one item; on a persistent grid (the default config) each walks several
 (``sm90_common.nth_work``), or with ``IS_DYNAMIC`` takes them one by one from a
 counter (``sm90_common.take_item``; with ``IS_ADAPTIVE`` only where the mask's
-slices are long, ``sm90_common.takes_tickets``), with the same bits. What differs is the schedule,
+heaviest slice is long, ``sm90_common.takes_tickets``), with the same bits. What differs is the schedule,
 which Triton's compiler does not produce from the Triton kernel. The program is
 warp-specialized:
 
@@ -42,7 +42,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ..constants import FWD_DYNAMIC_MIN_ROWS, MAX_TOKENS
+from ..constants import FWD_DYNAMIC_MIN_LEN, MAX_TOKENS
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
 from .sm90_common import (bounded_desc, issue_tiles, load_slice, next_item, nth_work, packed_qkv, post_item,
@@ -51,9 +51,9 @@ from .sm90_common import (bounded_desc, issue_tiles, load_slice, next_item, nth_
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
 
-# The adaptive schedule's window of mean slice lengths that take the counter (sm90_common.takes_tickets).
-_MIN_ROWS = gl.constexpr(FWD_DYNAMIC_MIN_ROWS)
-_MAX_ROWS = gl.constexpr(MAX_TOKENS)
+# The adaptive schedule's slice lengths that take the counter (sm90_common.takes_tickets).
+_MIN_LEN = gl.constexpr(FWD_DYNAMIC_MIN_LEN)
+_MAX_LEN = gl.constexpr(MAX_TOKENS)
 
 
 @gluon.jit
@@ -306,7 +306,7 @@ def _ws_producer(
     q_free = smem[4]
     if IS_DYNAMIC:
         # With IS_ADAPTIVE the fixed share's items may go through the same posting (measured free).
-        is_ticketed = takes_tickets(Tq, order_ptrs[1], BLOCK_M * SPLIT, IS_ADAPTIVE, _MIN_ROWS, _MAX_ROWS)
+        is_ticketed = takes_tickets(ptrs[6], order_ptrs, Tq, False, IS_ADAPTIVE, _MIN_LEN, _MAX_LEN)
         w = next_item(sched[0], wi, is_ticketed, IS_ADAPTIVE)
         while w < n_work:
             work = _work(w, Hq, GROUP, Tq, order_ptrs, SPLIT, BLOCK_M)
@@ -652,7 +652,7 @@ def range_attn_fwd_sm90_ws_kernel(
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
     of q, k and v holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
     program, sm90_common), ``IS_DYNAMIC`` (items taken from the counter at ``ticket_ptr``; with ``IS_ADAPTIVE``
-    only when the mask's slices are long, sm90_common.takes_tickets), ``IS_KV_SPLIT``
+    only when the mask's heaviest slice is long, sm90_common.takes_tickets), ``IS_KV_SPLIT``
     (each ring slot's key and value tiles land and are released on barriers of their own) and ``Q_BUFS`` (query
     blocks used by turns: with two, the next item's queries load while this item's are in use).
 

@@ -202,17 +202,28 @@ def take_item(ticket_ptr):
 
 
 @gluon.jit
-def takes_tickets(T, block_hi_ptr, PLAN_ROWS: gl.constexpr, IS_ADAPTIVE: gl.constexpr, MIN_ROWS: gl.constexpr,
-                  MAX_ROWS: gl.constexpr):
+def takes_tickets(slices_ptr, order_ptrs, T, IS_KEY_MAJOR: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
+                  MIN_LEN: gl.constexpr, MAX_LEN: gl.constexpr):
     """Whether a dynamic schedule's producers take their items from the counter (:func:`take_item`), or with
-    ``IS_ADAPTIVE`` only when the mask's valid slices average ``MIN_ROWS`` to ``MAX_ROWS`` along the major
-    axis (``T`` long, blocks of ``PLAN_ROWS``), else the fixed share's (:func:`next_item`). Every program reads
-    the same plan, so all choose alike (a mix would run some items twice and skip others). The plan's last
-    ``block_hi`` counts the valid slices: they come first, by start, and all start before ``T``."""
+    ``IS_ADAPTIVE`` only when the slice where the mask's work is, the first of the heaviest block's window
+    (the plan's first block; ``order_ptrs``: ``block_lo``, ``block_hi``, ``block_order``), is ``MIN_LEN`` to
+    ``MAX_LEN`` long along the major axis (rows, or keys with ``IS_KEY_MAJOR``; ``T`` of them), else the fixed
+    share's (:func:`next_item`). Every program reads the same plan, so all choose alike (a mix would run some
+    items twice and skip others). A few dependent loads, once per program."""
     if IS_ADAPTIVE:
-        n_blocks = gl.cdiv(T, PLAN_ROWS)
-        n_valid = gl.load(block_hi_ptr + gl.maximum(n_blocks - 1, 0), mask=n_blocks > 0, other=0).to(gl.int64)
-        return (T >= MIN_ROWS * n_valid) & (T <= MAX_ROWS * n_valid)
+        block_lo_ptr, block_hi_ptr, block_order_ptr = order_ptrs
+        has_blocks = T > 0
+        b = gl.load(block_order_ptr, mask=has_blocks, other=0)
+        s_lo = gl.load(block_lo_ptr + b, mask=has_blocks, other=0)
+        s_hi = gl.load(block_hi_ptr + b, mask=has_blocks, other=0)
+        has_slice = has_blocks & (s_lo < s_hi)
+        # A slice row is (qs, qe, ks, ke, type).
+        if IS_KEY_MAJOR:
+            start_ptr = slices_ptr + s_lo.to(gl.int64) * 5 + 2
+        else:
+            start_ptr = slices_ptr + s_lo.to(gl.int64) * 5
+        n = gl.load(start_ptr + 1, mask=has_slice, other=0) - gl.load(start_ptr, mask=has_slice, other=0)
+        return has_slice & (n >= MIN_LEN) & (n <= MAX_LEN)
     else:
         return T >= 0  # not read: without IS_ADAPTIVE next_item always takes a ticket
 
