@@ -15,7 +15,7 @@
 #   plan   the plan's group maximum by integer atomics (ab/atomic, exported from
 #          scripts/pending/plan_group_atomic.patch: bash scripts/ab_export.sh HEAD atomic <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
-# Then scripts/gpu_suite.sh (SUITE_GROUPS picks groups), and FlashAttention-4's bench (scripts/fa4_bench.sh,
+# Then scripts/gpu_suite.sh (SUITE_K picks tests), and FlashAttention-4's bench (scripts/fa4_bench.sh,
 # PICK=1 to bench the forward A/B's pick through the public call).
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"

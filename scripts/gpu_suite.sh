@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# The whole GPU test suite in one device call (logs under $OUT), as seven pytest processes side by side: one
-# process cannot finish it in a call on a fresh machine, where compiling dominates (CPU-bound, 16 cores, one
-# shared Triton cache). The groups are sized from the fourteenth session's runs (the largest, the Hopper
-# forward fuzz, took about 4 minutes).
-# SUITE_GROUPS="fwd-fuzz backward" runs only those groups; LIMIT (seconds, default 560) bounds each.
+# The whole GPU test suite in one device call (logs under $OUT): every GPU-marked test under tests/, cut into
+# many pytest processes that run side by side, PROCS at a time (default 12, of the machine's 16 cores). On a
+# fresh machine compiling dominates, and one compile takes one core (the processes share one Triton cache);
+# scripts/gpu_shards.py says how the tests are cut (each fuzz alone, the others in runs of one file).
+# SUITE_K="dynamic or adaptive" keeps only what pytest -k selects; LIMIT (seconds, default 540) bounds each
+# process. Prints each process's result line, then every failure.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-SUITE_GROUPS="${SUITE_GROUPS:-backward garbage rest fwd-configs fwd-fuzz fwd-rest features}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-run_group() {  # name, pytest args...
-  local name=$1; shift
-  [[ " $SUITE_GROUPS " == *" $name "* ]] || return 0
-  timeout "${LIMIT:-560}" python -m pytest -q -p no:cacheprovider -rfE -m gpu "$@" --durations=5 > "$OUT/pytest_$name.log" 2>&1
+k_args=()
+[ -n "${SUITE_K:-}" ] && k_args=(-k "$SUITE_K")
+python -m pytest --collect-only -q -p no:cacheprovider -m gpu "${k_args[@]}" tests > "$OUT/collect.log" 2>&1
+n=$(python scripts/gpu_shards.py --out "$OUT/shards" < "$OUT/collect.log") || { tail -20 "$OUT/collect.log"; exit 1; }
+echo "gpu_suite: $(grep -c '::' "$OUT/collect.log") tests in $n processes, ${PROCS:-12} at a time"
+run_shard() {  # one shard file: its node ids, one a line
+  local name ids
+  name=$(basename "$1" .txt)
+  mapfile -t ids < "$1"
+  timeout "${LIMIT:-540}" python -m pytest -q -p no:cacheprovider -rfE -m gpu "${ids[@]}" --durations=3 \
+    > "$OUT/pytest_$name.log" 2>&1
   echo "$name rc=$?" >> "$OUT/rc.txt"
 }
-F=tests/test_gpu_forward.py
-run_group backward tests/test_gpu_backward.py &
-run_group garbage tests/test_gpu_fuzz.py &
-run_group rest tests/test_gpu_eager.py tests/test_head_dims.py tests/test_kernel_forward.py tests/test_transformers.py \
-  tests/test_validation.py tests/test_bench.py tests/test_distributed.py tests/test_compile_sm90.py &
-run_group fwd-configs "$F" -k "every_config" &
-run_group fwd-fuzz "$F" -k "fuzz_hopper" &
-run_group fwd-rest "$F" -k "not every_config and not fuzz_hopper" &
-run_group features tests/test_gpu_features.py &
-wait
-cat "$OUT/rc.txt"
-for f in "$OUT"/pytest_*.log; do echo "== $f"; tail -n 9 "$f"; done
+export -f run_shard
+export OUT LIMIT
+ls "$OUT"/shards/shard_*.txt | xargs -P "${PROCS:-12}" -I{} bash -c 'run_shard "$1"' _ {}
+sort "$OUT/rc.txt" | grep -v " rc=0$" || echo "gpu_suite: every process exited 0"
+for f in "$OUT"/pytest_shard_*.log; do echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
+grep -h "^FAILED\|^ERROR" "$OUT"/pytest_shard_*.log || true

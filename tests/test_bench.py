@@ -12,6 +12,7 @@ FlashAttention ``cu_seqlens`` / ``window_size``).
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import random
@@ -329,6 +330,27 @@ def _script(name):
 
 def _ab_main():
     return _script("ab")
+
+
+def test_gpu_shards_put_long_tests_alone_and_keep_files_together(tmp_path, monkeypatch):
+    """``scripts/gpu_shards.py`` (the GPU suite's processes): every collected test in exactly one shard, each
+    fuzz alone and first, the others in runs of at most ``size`` consecutive tests of one file."""
+    shards_mod = _script("gpu_shards")
+    collected = ["tests/a.py::test_one[x]", "tests/a.py::test_one[y]", "tests/a.py::test_fuzz[z]",
+                 "tests/a.py::test_two", "tests/a.py::test_three", "tests/b.py::test_one", "tests/b.py::test_two"]
+    out = "\n".join(collected + ["", "7/9 tests collected (2 deselected) in 1s"])
+    ids = shards_mod.node_ids(out.splitlines())
+    assert ids == collected
+    parts = shards_mod.shards(ids, 2)
+    assert parts == [["tests/a.py::test_fuzz[z]"], ["tests/a.py::test_one[x]", "tests/a.py::test_one[y]"],
+                     ["tests/a.py::test_two", "tests/a.py::test_three"], ["tests/b.py::test_one", "tests/b.py::test_two"]]
+    assert sorted(x for p in shards_mod.shards(ids, 3) for x in p) == sorted(collected)
+    with pytest.raises(ValueError, match="size must be"):
+        shards_mod.shards(ids, 0)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(out))
+    shards_mod.main(["--out", str(tmp_path), "--size", "2"])
+    files = sorted(tmp_path.iterdir())
+    assert [f.read_text().split() for f in files] == parts
 
 
 def test_ab_backward_config_reads_every_flag():
