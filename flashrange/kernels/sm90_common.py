@@ -27,7 +27,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "next_item",
            "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
            "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
