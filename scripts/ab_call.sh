@@ -30,10 +30,12 @@ ab() {  # name, time limit (s), ab.py args...
 STEPS="${STEPS:-tests fwd trace bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then
-  timeout 240 python -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_gpu_forward.py \
-    tests/test_gpu_backward.py -k "dynamic or adaptive or merg" > "$OUT/pytest_dyn.log" 2>&1
-  rc=$?; echo "pytest rc=$rc" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/pytest_dyn.log"
-  [ $rc = 0 ] && adaptive_ok=1
+  # Side by side (scripts/gpu_suite.sh), the fuzzes left to the whole suite.
+  SUITE_K="(dynamic or adaptive or merg) and not fuzz" LIMIT=200 OUT="$OUT/tests" bash scripts/gpu_suite.sh \
+    > "$OUT/tests.log" 2>&1
+  tail -n 25 "$OUT/tests.log"
+  if [ -s "$OUT/tests/rc.txt" ] && ! grep -qv " rc=0$" "$OUT/tests/rc.txt"; then adaptive_ok=1; fi
+  echo "tests ok=${adaptive_ok:-0}" | tee -a "$OUT/rc.txt"
 fi
 if has fwd; then
   # The adaptive schedule joins the A/B only once its GPU tests passed (a kernel that hangs would take the
