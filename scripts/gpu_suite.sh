@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU test suite in one device call (logs under $OUT): every GPU-marked test under tests/, cut into
-# many pytest processes that run side by side, PROCS at a time (default 12, of the machine's 16 cores). On a
+# many pytest processes that run side by side, PROCS at a time (default 10 of the machine's 16 cores: more processes, more GPU memory at once). On a
 # fresh machine compiling dominates, and one compile takes one core (the processes share one Triton cache);
 # scripts/gpu_shards.py says how the tests are cut (each fuzz alone, the others in runs of one file).
 # SUITE_K="dynamic or adaptive" keeps only what pytest -k selects; LIMIT (seconds, default 540) bounds each
@@ -13,7 +13,7 @@ k_args=()
 [ -n "${SUITE_K:-}" ] && k_args=(-k "$SUITE_K")
 python -m pytest --collect-only -q -p no:cacheprovider -m gpu "${k_args[@]}" tests > "$OUT/collect.log" 2>&1
 n=$(python scripts/gpu_shards.py --out "$OUT/shards" < "$OUT/collect.log") || { tail -20 "$OUT/collect.log"; exit 1; }
-echo "gpu_suite: $(grep -c '::' "$OUT/collect.log") tests in $n processes, ${PROCS:-12} at a time"
+echo "gpu_suite: $(grep -c '::' "$OUT/collect.log") tests in $n processes, ${PROCS:-10} at a time"
 run_shard() {  # one shard file: its node ids, one a line
   local name ids
   name=$(basename "$1" .txt)
@@ -24,7 +24,7 @@ run_shard() {  # one shard file: its node ids, one a line
 }
 export -f run_shard
 export OUT LIMIT
-ls "$OUT"/shards/shard_*.txt | xargs -P "${PROCS:-12}" -I{} bash -c 'run_shard "$1"' _ {}
+ls "$OUT"/shards/shard_*.txt | xargs -P "${PROCS:-10}" -I{} bash -c 'run_shard "$1"' _ {}
 sort "$OUT/rc.txt" | grep -v " rc=0$" || echo "gpu_suite: every process exited 0"
 for f in "$OUT"/pytest_shard_*.log; do echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
 grep -h "^FAILED\|^ERROR" "$OUT"/pytest_shard_*.log || true
