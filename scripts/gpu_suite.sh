@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU test suite in one device call (logs under $OUT): every GPU-marked test under tests/, cut into
-# many pytest processes that run side by side, PROCS at a time (default 10 of the machine's 16 cores: more processes, more GPU memory at once). On a
-# fresh machine compiling dominates, and one compile takes one core (the processes share one Triton cache);
-# scripts/gpu_shards.py says how the tests are cut (each fuzz alone, the others in runs of one file).
+# many pytest processes that run side by side, PROCS at a time (default 10 of the machine's 16 cores; each
+# process holds GPU memory too). On a fresh machine compiling dominates, and one compile takes one core (the
+# processes share one Triton cache); scripts/gpu_shards.py says how the tests are cut (each fuzz alone, the
+# others in runs of one file).
 # SUITE_K="dynamic or adaptive" keeps only what pytest -k selects; LIMIT (seconds, default 540) bounds each
 # process. Prints each process's result line, then every failure.
 set -u
