@@ -343,7 +343,8 @@ def test_gpu_shards_put_long_tests_alone_and_keep_files_together(tmp_path, monke
     assert ids == collected
     parts = shards_mod.shards(ids, 2)
     assert parts == [["tests/a.py::test_fuzz[z]"], ["tests/a.py::test_one[x]", "tests/a.py::test_one[y]"],
-                     ["tests/a.py::test_two", "tests/a.py::test_three"], ["tests/b.py::test_one", "tests/b.py::test_two"]]
+                     ["tests/a.py::test_two", "tests/a.py::test_three"],
+                     ["tests/b.py::test_one", "tests/b.py::test_two"]]
     assert sorted(x for p in shards_mod.shards(ids, 3) for x in p) == sorted(collected)
     with pytest.raises(ValueError, match="size must be"):
         shards_mod.shards(ids, 0)

@@ -17,8 +17,8 @@ import random
 
 import pytest
 import torch
-from golden import (assert_three_way, causal_documents, heaviest_block_document, grad_inputs, heads_padded_view, random_slice_rows, short_slice_rows,
-                    shuffled_and_padded)
+from golden import (assert_three_way, causal_documents, grad_inputs, heads_padded_view, heaviest_block_document,
+                    random_slice_rows, short_slice_rows, shuffled_and_padded)
 
 pytestmark = [
     pytest.mark.gpu,

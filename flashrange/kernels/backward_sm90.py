@@ -501,8 +501,8 @@ def bwd_dkdv_sm90_kernel(
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
     program, sm90_common), ``IS_DYNAMIC`` and ``ticket_ptr`` (the programs take their items from this
     zeroed counter, sm90_common.take_item; untouched otherwise), ``IS_ADAPTIVE`` (with ``IS_DYNAMIC``: the
-    counter only when the mask's heaviest slice is short, sm90_common.takes_tickets); launched with 4 warps (the first consumer)
-    plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
+    counter only when the mask's heaviest slice is short, sm90_common.takes_tickets); launched with 4 warps
+    (the first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
     grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = BLOCK_N // 2
