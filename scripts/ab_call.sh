@@ -29,6 +29,8 @@ ab() {  # name, time limit (s), ab.py args...
 }
 STEPS="${STEPS:-tests fwd trace bwd plan}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
+adaptive_ok="${ADAPTIVE_OK:-0}"
 if has tests; then
   # Side by side (scripts/gpu_suite.sh), the fuzzes left to the whole suite.
   SUITE_K="(dynamic or adaptive or merg) and not fuzz" LIMIT=200 OUT="$OUT/tests" bash scripts/gpu_suite.sh \
