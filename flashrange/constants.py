@@ -26,6 +26,8 @@ __all__ = [
     "PLAN_BLOCK",
     "FWD_DYNAMIC_MIN_LEN",
     "BWD_DYNAMIC_MAX_LEN",
+    "SHORT_SLICES_MEAN_LEN",
+    "has_short_slices",
     "STRICT_ENV",
 ]
 
@@ -72,6 +74,19 @@ PLAN_BLOCK = 128
 FWD_DYNAMIC_MIN_LEN = 512
 # ... and the backward up to this one: it gained on documents and lost a few percent on long slices.
 BWD_DYNAMIC_MAX_LEN = 4096
+
+# The Hopper defaults at head dim 128 pick their schedule per call from shapes alone (no host read of the
+# ranges): a mask whose slots average at most this many tokens along the longer axis takes the short-slice
+# schedules (forward: split key and value barriers; backward: the dynamic schedule), which were measured
+# faster on documents of up to 2048 tokens and slower on single slices of 8192 tokens and more
+# (BENCHMARKS.md, twenty-fifth session; docs/design.md, "Schedules chosen by shape").
+SHORT_SLICES_MEAN_LEN = 4096
+
+
+def has_short_slices(Tq: int, Tk: int, n_slots: int) -> bool:
+    """Whether ``n_slots`` slots over ``Tq x Tk`` tokens average at most :data:`SHORT_SLICES_MEAN_LEN`
+    tokens along the longer axis. Empty and padding slots count: they only make a mask look shorter."""
+    return n_slots > 0 and max(Tq, Tk) <= SHORT_SLICES_MEAN_LEN * n_slots
 
 # Environment variable that turns strict value checks on for every call.
 STRICT_ENV = "FLASHRANGE_STRICT"

@@ -5,7 +5,9 @@
 # processes share one Triton cache); scripts/gpu_shards.py says how the tests are cut (each fuzz alone, the
 # others in runs of one file).
 # SUITE_K="dynamic or adaptive" keeps only what pytest -k selects; LIMIT (seconds, default 540) bounds each
-# process. Prints each process's result line, then every failure.
+# process. Prints each process's result line, then every failure. Each process also appends its result line
+# and failures to $OUT/summary.txt as it ends, so a call cut short (or one that brings back only some of the
+# many logs) still says what ran.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,7 +23,10 @@ run_shard() {  # one shard file: its node ids, one a line
   mapfile -t ids < "$1"
   timeout "${LIMIT:-540}" python -m pytest -q -p no:cacheprovider -rfE -m gpu "${ids[@]}" --durations=3 \
     > "$OUT/pytest_$name.log" 2>&1
-  echo "$name rc=$?" >> "$OUT/rc.txt"
+  local rc=$?
+  echo "$name rc=$rc" >> "$OUT/rc.txt"
+  { echo "$name rc=$rc: $(tail -n 1 "$OUT/pytest_$name.log")"; grep -h "^FAILED\|^ERROR" "$OUT/pytest_$name.log"; } \
+    >> "$OUT/summary.txt"
 }
 export -f run_shard
 export OUT LIMIT

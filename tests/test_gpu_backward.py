@@ -373,9 +373,42 @@ def _gluon_config(D, Dv, dtype, persistent=False, dynamic=False, adaptive=False)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
+@pytest.mark.parametrize("n_docs, want_short", [(16, True), (1, False)], ids=["doc16-32k", "causal-8k"])
+def test_backward_launcher_asks_for_the_schedule_by_mean_slot_length(monkeypatch, n_docs, want_short):
+    """A call without a config asks the default for short slices from its shapes
+    (constants.has_short_slices); the gradients are bitwise those of the other schedule."""
+    import dataclasses
+
+    from flashrange.kernels import backward as kbwd
+
+    T = 32768 if n_docs > 1 else 8192
+    asked = []
+    real = kbwd.default_config
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("short_slices"))
+        return real(*args, **kwargs)
+
+    rows = _docs(T, n_docs, 3) if n_docs > 1 else [(0, T, 0, T, CAUSAL)]
+    q, k, v, do, dlse = _inputs(T, T, 2, 1, 128, 128, torch.bfloat16, 4, True)
+    qr, kr, mt = _ranges(rows)
+    out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
+    monkeypatch.setattr(kbwd, "default_config", spy)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)
+    monkeypatch.undo()
+    assert asked == [want_short]
+    chosen = real(128, 128, torch.bfloat16, torch.device(DEV), short_slices=want_short)
+    other = dataclasses.replace(chosen, dynamic=not chosen.dynamic)
+    want = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=other)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
 def test_gluon_backward_is_the_default_and_builds():
     """Head dims padded to 64 or 128 in 2-byte dtypes take both Gluon kernels by default, and they build
     (no warning)."""
+    import dataclasses
     import warnings
 
     from flashrange.kernels.backward import default_config
@@ -390,6 +423,10 @@ def test_gluon_backward_is_the_default_and_builds():
         assert (cfg.gluon_dkdv, cfg.gluon_dq) == (want_dkdv, want_dq), (D, Dv, dtype)
         # The Gluon kernels run on the persistent grid (docs/design.md, "The Hopper backward").
         assert cfg.persistent == (want_dkdv or want_dq), (D, Dv, dtype)
+        # Short slots on average: the dynamic schedule at head dim 128 only ("Schedules chosen by shape").
+        short = default_config(D, Dv, dtype, torch.device(DEV), short_slices=True)
+        assert short.dynamic == (want_dkdv and max(D, Dv) > 64), (D, Dv, dtype)
+        assert dataclasses.replace(short, dynamic=False) == cfg, (D, Dv, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         # With and without a softcap: at head dim 64 they take different dQ tiles.

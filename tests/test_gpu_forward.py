@@ -441,7 +441,39 @@ def test_hopper_kernel_is_the_default_and_builds():
     assert default_config(128, 128, torch.bfloat16).persistent
     # Short documents side by side walk merged tiles (docs/design.md, "Merged tiles").
     assert default_config(128, 128, torch.bfloat16).merge
-    assert default_config(64, 64, torch.bfloat16) == default_config(128, 128, torch.bfloat16)
+    assert default_config(64, 64, torch.bfloat16).merge and default_config(64, 64, torch.bfloat16).persistent
+    # Head dim 128: the adaptive schedule, and split barriers where the slots are short on average
+    # (docs/design.md, "Schedules chosen by shape"); head dim 64 keeps the fixed share either way.
+    assert default_config(128, 128, torch.bfloat16).adaptive
+    assert not default_config(128, 128, torch.bfloat16).split_kv
+    assert default_config(128, 128, torch.bfloat16, short_slices=True).split_kv
+    assert default_config(64, 64, torch.bfloat16, short_slices=True) == default_config(64, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind, T, want_split", [("doc16", 32768, True), ("causal", 8192, False),
+                                                  ("random", 4099, True)],
+                         ids=["doc16-32k", "causal-8k", "random-24-slices"])
+def test_launcher_picks_the_schedule_by_mean_slot_length(monkeypatch, kind, T, want_split):
+    """The launcher asks constants.has_short_slices of the call's shapes and launches that default; the
+    result equals the other schedule's bits."""
+    import flashrange.kernels.forward as kfwd
+
+    seen = []
+    real = kfwd._launch
+
+    def spy(*args, **kwargs):
+        seen.append(args[9])  # the config
+        return real(*args, **kwargs)
+
+    q, k, v = make_qkv(T, T, 2, 2, 128, 128, torch.bfloat16, DEV, seed=T)
+    qr, kr, mt = _mask(kind, T, 5)
+    monkeypatch.setattr(kfwd, "_launch", spy)
+    out, lse = _run(q, k, v, qr, kr, mt, 128 ** -0.5)
+    monkeypatch.undo()
+    assert len(seen) == 1 and seen[0].split_kv is want_split and seen[0].adaptive, seen
+    other = default_config(128, 128, torch.bfloat16, short_slices=not want_split)
+    out2, lse2 = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config=other)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 class _Unbuildable:

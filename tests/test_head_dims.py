@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from flashrange import reference
-from flashrange.constants import MAX_HEAD_DIM, MAX_HEAD_DIM_V, WIDE_V_MAX_HEAD_DIM, kernel_head_dims_ok
+from flashrange.constants import (MAX_HEAD_DIM, MAX_HEAD_DIM_V, SHORT_SLICES_MEAN_LEN, WIDE_V_MAX_HEAD_DIM,
+                                  has_short_slices, kernel_head_dims_ok)
 from golden import assert_three_way, dense_attention, dense_counts, grad_inputs, random_slice_rows
 
 triton = pytest.importorskip("triton")
@@ -179,6 +180,45 @@ def test_hopper_backward_default_at_head_dim_128(D, Dv):
     assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True)
     assert kbwd._default_config(D, Dv, torch.bfloat16, True, False) == kbwd.BwdConfig(32, 128, 8, 3, 128, 64, 8, 3)
     assert kbwd._default_config(D, Dv, torch.float32, True, True).gluon_dkdv is False
+
+
+@pytest.mark.parametrize("D, Dv", [(128, 128), (96, 96), (64, 128)], ids=["d128", "d96", "d64-dv128"])
+def test_hopper_backward_short_slices_take_the_dynamic_schedule(D, Dv):
+    """Short slots on average change only the schedule of the Hopper kernels at head dim 128 (the counter's
+    order, the same tiles and bits); head dim 64, the Triton kernels and float32 keep their defaults."""
+    hopper = kbwd._default_config(D, Dv, torch.bfloat16, True, True, False, True)
+    assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                                    dynamic=True)
+    assert not hopper.adaptive
+    for args in ((64, 64, torch.bfloat16, True, True), (D, Dv, torch.bfloat16, True, False),
+                 (D, Dv, torch.float32, True, True)):
+        assert kbwd._default_config(*args, False, True) == kbwd._default_config(*args, False, False), args
+
+
+def test_hopper_forward_short_slice_default_is_the_same_tiles():
+    """The forward's short-slice default at head dim 128 differs from the default only in its schedule (split
+    key and value barriers, two stages): same tiles and plan block, so the same bits and the same plan; other
+    head dims have no short-slice default."""
+    base = kfwd._BY_NAME[kfwd._SM90_DEFAULTS[128]]
+    short = kfwd._BY_NAME[kfwd._SM90_SHORT_SLICES[128]]
+    assert base.adaptive and short.adaptive and short.split_kv and not base.split_kv
+    assert (short.BLOCK_M, short.BLOCK_N, short.num_warps) == (base.BLOCK_M, base.BLOCK_N, base.num_warps)
+    assert short.gluon and short.persistent and short.merge and short.dynamic
+    assert set(kfwd._SM90_SHORT_SLICES) == {128}
+
+
+@pytest.mark.parametrize("Tq, Tk, n_slots, want", [
+    (32768, 32768, 16, True),      # documents of 2048 tokens
+    (32768, 32768, 8, True),       # exactly SHORT_SLICES_MEAN_LEN on average
+    (32768, 32768, 7, False),
+    (8192, 8192, 1, False),        # one slice of 8192 tokens
+    (4095, 4095, 1, True),
+    (1000, 9000, 2, False),        # the longer axis counts
+    (9000, 9000, 0, False),        # no slot
+], ids=["doc16-32k", "mean-4096", "mean-4681", "causal-8k", "one-short", "cross-long-keys", "no-slots"])
+def test_has_short_slices(Tq, Tk, n_slots, want):
+    assert has_short_slices(Tq, Tk, n_slots) is want
+    assert SHORT_SLICES_MEAN_LEN == 4096
 
 
 @pytest.mark.parametrize("softcap", [False, True], ids=["no-softcap", "softcap"])

@@ -14,8 +14,9 @@ One loop rather than one per kind keeps the next tile's loads in flight
 across the change of kind, which is most of the time of short documents.
 
 Launch configurations live in :data:`FWD_CONFIGS`, a named list; a default
-is fixed per head dim and dtype (:func:`default_config`) so that results are
-bitwise reproducible across processes, the plan's block follows the config
+is fixed per head dim, dtype and, on Hopper, whether the mask's slots are
+short on average (:func:`default_config`; the shapes alone decide, and every
+choice gives the same bits) so that results are bitwise reproducible across processes, the plan's block follows the config
 without any autotuning round-trip, and the launcher never syncs with the host
 (CUDA-graph capture, ``set_sync_debug_mode("error")``). Hopper features
 (device-side tensor descriptors, warp specialization) are used only where the
@@ -40,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..constants import has_short_slices
 from ..validation import resolve_scale
 from .common import (
     DEV_LN2,
@@ -424,10 +426,16 @@ _DEFAULTS = {
 # a large gain with very short documents against a small loss elsewhere (docs/design.md,
 # "Merged tiles"). At head dim 64 the persistent kernel won raw-launcher A/Bs by 2-5% in the
 # eighth session and again in the thirteenth (BENCHMARKS.md); the eighth session's noisy
-# public-call run had kept the Triton kernel there until then.
+# public-call run had kept the Triton kernel there until then. At head dim 128 the adaptive schedule
+# (the counter's order where the mask's heaviest slice is long) won the twenty-fifth session's A/B on
+# every case but one within 3%; with short slots on average (constants.has_short_slices) the split key
+# and value barriers add 2-8% on documents, and lose 2-3% on long single slices, hence the two.
 _SM90_DEFAULTS = {
     64: "sm90pppm_m128_n128_w4_s3",
-    128: "sm90pppm_m128_n128_w4_s3",
+    128: "sm90pppma_m128_n128_w4_s3",
+}
+_SM90_SHORT_SLICES = {
+    128: "sm90pppmak_m128_n128_w4_s2",
 }
 
 
@@ -523,17 +531,22 @@ def _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_
     return tuple(out)
 
 
-def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda") -> FwdConfig:
+def default_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, *, device_type: str = "cuda",
+                   short_slices: bool = False) -> FwdConfig:
     """A fixed choice per head dim and dtype: deterministic results, plan block known up front.
 
-    Cached: the launcher asks on every call, and the host time counts for short kernels.
+    ``short_slices``: the mask's slots are short on average
+    (:func:`flashrange.constants.has_short_slices`, which the launcher asks of
+    the call's shapes); on Hopper it may pick another schedule of the same
+    tiles, with the same bits. Cached: the launcher asks on every call, and the
+    host time counts for short kernels.
     """
     dev = torch.cuda.current_device() if device_type == "cuda" and torch.cuda.is_available() else -1
-    return _default_config(head_dim, head_dim_v, dtype, device_type, interpreting(), dev)
+    return _default_config(head_dim, head_dim_v, dtype, device_type, interpreting(), dev, short_slices)
 
 
 @functools.lru_cache(maxsize=None)
-def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index):
+def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, device_index, short_slices=False):
     if device_type != "cuda" or interpreting:
         return _BY_NAME["cpu_m64_n64"]
     allowed = _configs_for(head_dim, head_dim_v, dtype, device_type, interpreting, device_index)
@@ -542,7 +555,8 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
     else:
         name = _DEFAULTS[min(k for k in _DEFAULTS if k >= pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
-    sm90 = _SM90_DEFAULTS.get(max(pad_dim(head_dim), pad_dim(head_dim_v)))
+    padded = max(pad_dim(head_dim), pad_dim(head_dim_v))
+    sm90 = (short_slices and _SM90_SHORT_SLICES.get(padded)) or _SM90_DEFAULTS.get(padded)
     if dtype.itemsize == 2 and sm90 is not None and _BY_NAME[sm90] in allowed:
         return _BY_NAME[sm90]
     if cfg not in allowed:  # e.g. no TMA on this build or chip: fall back to the pointer path
@@ -653,7 +667,8 @@ def range_attention_forward_triton(
         dev_index = q.device.index if q.device.type == "cuda" else -1
         if dev_index is None:
             dev_index = torch.cuda.current_device()
-        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index)
+        config = _default_config(D, Dv, q.dtype, q.device.type, is_interp, dev_index,
+                                 has_short_slices(Tq, Tk, q_ranges.shape[0]))
     elif isinstance(config, str):
         config = _BY_NAME[config]
     if config.gluon and not (q.device.type == "cuda" and not is_interp and _has_gluon_sm90()):
