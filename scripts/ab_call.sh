@@ -12,6 +12,7 @@
 #   trace  where doc128's items spend their time under the dynamic schedule against the fixed share
 #          (scripts/trace_items.py --configs; export ab/trace here first: python scripts/trace_items.py --export);
 #   bwd    the backward A/B, default against dynamic and adaptive (adaptive once the tests passed);
+#   defaults  the defaults chosen by shape against the previous commit's (ab/prev), after their GPU tests;
 #   plan   the plan's group maximum by integer atomics (ab/atomic, exported from
 #          scripts/pending/plan_group_atomic.patch: bash scripts/ab_export.sh HEAD atomic <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -61,6 +62,16 @@ if has bwd; then
   [ "${adaptive_ok:-0}" = 1 ] && bwd_adaptive="--bwd main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic+adaptive"
   ab bwd 200 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
     $bwd_adaptive --cases doc16-32k,doc128-32k,longshort-32k,sharedq-32k,causal-8k,full-8k,swa2048-32k
+fi
+if has defaults; then
+  # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
+  # launchers (export the previous commit first: bash scripts/ab_export.sh HEAD~1 prev), after their GPU tests.
+  SUITE_K="default or mean_slot_length" LIMIT=150 PROCS=8 OUT="$OUT/dtests" bash scripts/gpu_suite.sh \
+    > "$OUT/dtests.log" 2>&1
+  cat "$OUT/dtests/summary.txt"
+  ab dfwd 90 --fuzz 1 --fwd prev:default --fwd main:default \
+    --cases doc16-32k,doc128-32k,causal-8k,full-8k,full-16k-gqa32:8
+  ab dbwd 90 --fuzz 1 --bwd prev:default --bwd main:default --cases doc16-32k,doc128-32k,causal-8k,full-8k
 fi
 if has plan; then
   timeout 90 python scripts/plan_cost.py --against atomic > "$OUT/plan.log" 2>&1
