@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The runs of one device call, edited per session (logs under $OUT; carry "ab" for the plan step). Left by the
-# twenty-fourth session, which timed the split key and value barriers and the dynamic schedule's parts on an
-# H100 (BENCHMARKS.md) and built the adaptive schedules (forward sm90pppma, backward BwdConfig.adaptive: the
-# counter's order or the fixed share's, chosen per launch on the device from the mask's mean slice length)
-# without a GPU:
+# The runs of one device call, edited per session (logs under $OUT; carry "ab" for the defaults and plan
+# steps). Left by the twenty-fifth session, which timed the adaptive schedules on an H100 (BENCHMARKS.md) and
+# made the head-dim-128 Hopper defaults depend on the mean slot length (constants.has_short_slices: forward
+# sm90pppma, or sm90pppmak for short slots; backward fixed share, or dynamic for short slots) with no GPU
+# left to run the rule itself:
+#   defaults  first: the shape-chosen defaults' GPU tests, then their A/B against the fixed defaults of
+#          a937242 through the launchers (bash scripts/ab_export.sh a937242 prev, carry "ab");
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
 #          fixed share; the adaptive ones' choice read from their counters) and of merged tiles;
 #   fwd    the forward A/B with a fuzz: the default against the dynamic, adaptive, split-barrier and adaptive
@@ -12,9 +14,8 @@
 #   trace  where doc128's items spend their time under the dynamic schedule against the fixed share
 #          (scripts/trace_items.py --configs; export ab/trace here first: python scripts/trace_items.py --export);
 #   bwd    the backward A/B, default against dynamic and adaptive (adaptive once the tests passed);
-#   defaults  the defaults chosen by shape against the previous commit's (ab/prev), after their GPU tests;
-#   plan   the plan's group maximum by integer atomics (ab/atomic, exported from
-#          scripts/pending/plan_group_atomic.patch: bash scripts/ab_export.sh HEAD atomic <patch>).
+#   plan   the plan's cost against an exported variant (ab/$PLAN_AGAINST, e.g. a pending patch exported
+#          with bash scripts/ab_export.sh HEAD NAME <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
 # Then scripts/gpu_suite.sh (SUITE_K picks tests), and FlashAttention-4's bench (scripts/fa4_bench.sh,
 # PICK=1 to bench the forward A/B's pick through the public call).
@@ -28,10 +29,20 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-STEPS="${STEPS:-tests fwd trace bwd plan}"
+STEPS="${STEPS:-defaults fwd bwd}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
+if has defaults; then
+  # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
+  # launchers (export the old defaults first: bash scripts/ab_export.sh a937242 prev), after their GPU tests.
+  SUITE_K="default or mean_slot_length" LIMIT=150 PROCS=8 OUT="$OUT/dtests" bash scripts/gpu_suite.sh \
+    > "$OUT/dtests.log" 2>&1
+  cat "$OUT/dtests/summary.txt"
+  ab dfwd 90 --fuzz 1 --fwd prev:default --fwd main:default \
+    --cases doc16-32k,doc128-32k,causal-8k,full-8k,full-16k-gqa32:8
+  ab dbwd 90 --fuzz 1 --bwd prev:default --bwd main:default --cases doc16-32k,doc128-32k,causal-8k,full-8k
+fi
 if has tests; then
   # Side by side (scripts/gpu_suite.sh), the fuzzes left to the whole suite.
   SUITE_K="(dynamic or adaptive or merg) and not fuzz" LIMIT=200 OUT="$OUT/tests" bash scripts/gpu_suite.sh \
@@ -63,17 +74,8 @@ if has bwd; then
   ab bwd 200 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
     $bwd_adaptive --cases doc16-32k,doc128-32k,longshort-32k,sharedq-32k,causal-8k,full-8k,swa2048-32k
 fi
-if has defaults; then
-  # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
-  # launchers (export the previous commit first: bash scripts/ab_export.sh HEAD~1 prev), after their GPU tests.
-  SUITE_K="default or mean_slot_length" LIMIT=150 PROCS=8 OUT="$OUT/dtests" bash scripts/gpu_suite.sh \
-    > "$OUT/dtests.log" 2>&1
-  cat "$OUT/dtests/summary.txt"
-  ab dfwd 90 --fuzz 1 --fwd prev:default --fwd main:default \
-    --cases doc16-32k,doc128-32k,causal-8k,full-8k,full-16k-gqa32:8
-  ab dbwd 90 --fuzz 1 --bwd prev:default --bwd main:default --cases doc16-32k,doc128-32k,causal-8k,full-8k
-fi
 if has plan; then
-  timeout 90 python scripts/plan_cost.py --against atomic > "$OUT/plan.log" 2>&1
+  timeout 90 python scripts/plan_cost.py --against "${PLAN_AGAINST:?name the exported plan variant}" \
+    > "$OUT/plan.log" 2>&1
   echo "plan rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| " "$OUT/plan.log"
 fi

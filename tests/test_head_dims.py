@@ -207,6 +207,23 @@ def test_hopper_forward_short_slice_default_is_the_same_tiles():
     assert set(kfwd._SM90_SHORT_SLICES) == {128}
 
 
+def test_hopper_forward_default_by_slot_length(monkeypatch):
+    """With the Gluon configs allowed (as on Hopper), short slots take the short-slice default, long ones the
+    default; a short-slice config the device cannot run (shared memory) leaves the default, not the Triton
+    kernel; other dtypes and head dims are untouched."""
+    base = kfwd._BY_NAME[kfwd._SM90_DEFAULTS[128]]
+    short = kfwd._BY_NAME[kfwd._SM90_SHORT_SLICES[128]]
+    pick = kfwd._default_config.__wrapped__
+    monkeypatch.setattr(kfwd, "_configs_for", lambda *args: list(kfwd.FWD_CONFIGS))
+    assert pick(128, 128, torch.bfloat16, "cuda", False, 0, True) is short
+    assert pick(128, 128, torch.bfloat16, "cuda", False, 0, False) is base
+    assert pick(96, 128, torch.float16, "cuda", False, 0, True) is short
+    assert pick(64, 64, torch.bfloat16, "cuda", False, 0, True) is kfwd._BY_NAME[kfwd._SM90_DEFAULTS[64]]
+    assert not pick(128, 128, torch.float32, "cuda", False, 0, True).gluon
+    monkeypatch.setattr(kfwd, "_configs_for", lambda *args: [c for c in kfwd.FWD_CONFIGS if c is not short])
+    assert pick(128, 128, torch.bfloat16, "cuda", False, 0, True) is base
+
+
 @pytest.mark.parametrize("Tq, Tk, n_slots, want", [
     (32768, 32768, 16, True),      # documents of 2048 tokens
     (32768, 32768, 8, True),       # exactly SHORT_SLICES_MEAN_LEN on average

@@ -556,9 +556,10 @@ def _default_config(head_dim, head_dim_v, dtype, device_type, interpreting, devi
         name = _DEFAULTS[min(k for k in _DEFAULTS if k >= pad_dim(max(head_dim, head_dim_v)))]
     cfg = _BY_NAME[name]
     padded = max(pad_dim(head_dim), pad_dim(head_dim_v))
-    sm90 = (short_slices and _SM90_SHORT_SLICES.get(padded)) or _SM90_DEFAULTS.get(padded)
-    if dtype.itemsize == 2 and sm90 is not None and _BY_NAME[sm90] in allowed:
-        return _BY_NAME[sm90]
+    # The short-slice schedule where it applies and fits this device, else the Hopper default.
+    for sm90 in ((_SM90_SHORT_SLICES.get(padded),) if short_slices else ()) + (_SM90_DEFAULTS.get(padded),):
+        if dtype.itemsize == 2 and sm90 is not None and _BY_NAME[sm90] in allowed:
+            return _BY_NAME[sm90]
     if cfg not in allowed:  # e.g. no TMA on this build or chip: fall back to the pointer path
         cfg = next(c for c in allowed if not c.use_tma)
     return cfg
