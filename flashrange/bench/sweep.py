@@ -2,8 +2,9 @@
 
 The defaults of :func:`flashrange.kernels.forward.default_config` and
 :func:`flashrange.kernels.backward.default_config` are fixed per head dim
-and dtype (never per mask, so that results stay bitwise reproducible);
-this sweep is how they are chosen. On each case tagged ``sweep`` (the masks
+and dtype (on Hopper their schedule also follows the mean slot length,
+which never changes the bits: never a per-mask choice of arithmetic, so
+that results stay bitwise reproducible); this sweep is how they are chosen. On each case tagged ``sweep`` (the masks
 BENCHMARKS.md reports) it times the Triton forward with every
 configuration :func:`~flashrange.kernels.forward.configs_for` allows, and
 the Triton backward with each candidate :class:`~flashrange.kernels.backward.BwdConfig`,
@@ -91,11 +92,12 @@ def _sweep_config(rows, name, what, call, err_of, tol, st, budget, device) -> No
 
 
 def _sweep_case(case, st, budget) -> dict:
+    from ..constants import has_short_slices
+    from ..interface import plan_mask
     from ..kernels.backward import default_config as bwd_default
     from ..kernels.backward import range_attention_backward_triton
     from ..kernels.forward import default_config as fwd_default
     from ..kernels.forward import range_attention_forward_triton
-    from ..interface import plan_mask
 
     device, dtype = st.device, st.dtype
     cm = case.build(device)
@@ -106,13 +108,14 @@ def _sweep_case(case, st, budget) -> dict:
     plan = plan_mask(qr, kr, mt, case.T, case.T)
     flops = case_flops(case, cm.area)
     tol = TOLERANCE[dtype]
+    short = has_short_slices(case.T, case.T, mt.shape[0])
     out_ref, lse_ref = range_attention_forward_triton(q, k, v, qr, kr, mt, scale, 0.0, plan=plan)
     dlse = torch.zeros_like(lse_ref)
     grads_ref = range_attention_backward_triton(dout, q, k, v, out_ref, lse_ref, qr, kr, mt, scale, 0.0, dlse,
                                                 plan=plan)
     rec = {"case": case.name, "T": case.T, "Hq": case.Hq, "D": D, "Dv": Dv, "area": cm.area, "flops": flops,
-           "fwd_default": fwd_default(D, Dv, dtype, device_type=device.type).name,
-           "bwd_default": _bwd_name(bwd_default(D, Dv, dtype, device)), "fwd": [], "bwd": []}
+           "fwd_default": fwd_default(D, Dv, dtype, device_type=device.type, short_slices=short).name,
+           "bwd_default": _bwd_name(bwd_default(D, Dv, dtype, device, short_slices=short)), "fwd": [], "bwd": []}
     for cfg in forward_candidates(D, Dv, dtype, device):
         def call(cfg=cfg):
             return range_attention_forward_triton(q, k, v, qr, kr, mt, scale, 0.0, plan=plan, config=cfg)
