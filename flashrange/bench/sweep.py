@@ -4,8 +4,8 @@ The defaults of :func:`flashrange.kernels.forward.default_config` and
 :func:`flashrange.kernels.backward.default_config` are fixed per head dim
 and dtype (on Hopper their schedule also follows the mean slot length,
 which never changes the bits: never a per-mask choice of arithmetic, so
-that results stay bitwise reproducible); this sweep is how they are chosen. On each case tagged ``sweep`` (the masks
-BENCHMARKS.md reports) it times the Triton forward with every
+that results stay bitwise reproducible); this sweep is how they are chosen.
+On each case tagged ``sweep`` (the masks BENCHMARKS.md reports) it times the Triton forward with every
 configuration :func:`~flashrange.kernels.forward.configs_for` allows, and
 the Triton backward with each candidate :class:`~flashrange.kernels.backward.BwdConfig`,
 with the benchmark's one timing function and the mask's plan built once.

@@ -16,8 +16,8 @@ across the change of kind, which is most of the time of short documents.
 Launch configurations live in :data:`FWD_CONFIGS`, a named list; a default
 is fixed per head dim, dtype and, on Hopper, whether the mask's slots are
 short on average (:func:`default_config`; the shapes alone decide, and every
-choice gives the same bits) so that results are bitwise reproducible across processes, the plan's block follows the config
-without any autotuning round-trip, and the launcher never syncs with the host
+choice gives the same bits) so that results are bitwise reproducible across
+processes, the plan's block follows the config without any autotuning round-trip, and the launcher never syncs with the host
 (CUDA-graph capture, ``set_sync_debug_mode("error")``). Hopper features
 (device-side tensor descriptors, warp specialization) are used only where the
 installed Triton has them and the interpreter is off.
