@@ -78,7 +78,9 @@ if has bwd; then
     $bwd_adaptive --cases doc16-32k,doc128-32k,longshort-32k,sharedq-32k,causal-8k,full-8k,swa2048-32k
 fi
 if has plan; then
-  timeout 90 python scripts/plan_cost.py --against "${PLAN_AGAINST:?name the exported plan variant}" \
-    > "$OUT/plan.log" 2>&1
-  echo "plan rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| " "$OUT/plan.log"
+  # PLAN_AGAINST: one or more exported variants, each timed beside this checkout's plan in its own process.
+  for name in ${PLAN_AGAINST:?name the exported plan variants}; do
+    timeout 90 python scripts/plan_cost.py --against "$name" > "$OUT/plan_$name.log" 2>&1
+    echo "plan $name rc=$?" | tee -a "$OUT/rc.txt"; sed -n '/^mask /,$p' "$OUT/plan_$name.log"
+  done
 fi

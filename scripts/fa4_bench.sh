@@ -19,7 +19,7 @@ if [ "${PICK:-0}" = 1 ] && [ -f /tmp/keep/fwd_ab.json ]; then
     | tee "$OUT/pick.txt"
 fi
 if [ $# -eq 0 ]; then
-  set -- --quick --time-budget 200 --contenders flashrange,flashrange+plan,flashrange-op,sdpa-cudnn,fa4 \
+  set -- --quick --time-budget 200 --contenders flashrange,flashrange-op,flashrange+plan,sdpa-cudnn,fa4 \
     --cases causal-8k,full-8k,doc128-32k,doc16-32k,full-8k-d64,causal-8k-d64,swa2048-32k,causal-32k,full-16k-gqa32:8,causal-8k-mqa
 fi
 python -m flashrange bench "$@" --out "$OUT" > "$OUT/bench.log" 2>&1

@@ -34,6 +34,11 @@ def _docs(T, n, seed):
     return r, r.clone(), torch.ones(n, dtype=torch.int32)
 
 
+def _causal(T):
+    r = torch.tensor([[0, T]], dtype=torch.int32)
+    return r, r.clone(), torch.ones(1, dtype=torch.int32)
+
+
 def _two_token_docs(T):
     r = torch.arange(0, T, 2, dtype=torch.int32).repeat_interleave(2).view(-1, 2) + torch.tensor([0, 2])
     r = r.to(torch.int32)
@@ -72,9 +77,10 @@ def cases():
     around_limit = [(f"{n} docs in 32k{extra}", short, _padded(short, n, n + pad, False, n))
                     for n in (16, 64, 128) for pad, extra in ((0, ""), (129 - n, f", {129 - n} empty after"))]
     return around_limit + [
-        ("causal 1k, 1 slice", 1024, (torch.tensor([[0, 1024]], dtype=torch.int32),
-                                      torch.tensor([[0, 1024]], dtype=torch.int32),
-                                      torch.ones(1, dtype=torch.int32))),
+        ("causal 1k, 1 slice", 1024, _causal(1024)),
+        ("causal 8k, 1 slice", 8192, _causal(8192)),
+        ("causal 32k, 1 slice", short, _causal(short)),
+        ("16 docs in 8k", 8192, _docs(8192, 16, 8)),
         ("64 random slices", T, _random_slices(T, 64, 1)),
         ("4096 docs", T, _docs(T, 4096, 2)),
         ("4096 random slices", T, _random_slices(T, 4096, 3)),
