@@ -342,7 +342,10 @@ def test_plan_triton_equals_torch_on_cuda():
     """The plan the kernel uses on CUDA (Triton) equals the plain-PyTorch plan, bit for bit."""
     from flashrange.kernels.plan import build_block_plan as build_plan
 
-    cases = [(131072, 131072, 4096, False), (32768, 30011, 300, True), (1031, 2053, 64, True), (17, 5, 9, True)]
+    # The general plan; the one-program plan at its slot limit with the block launches after it (256 blocks),
+    # with 100 garbage slots over 64 and 33 blocks of 128, and with everything in one launch.
+    cases = [(131072, 131072, 4096, False), (32768, 30011, 300, True), (32768, 32768, 128, False),
+             (8191, 4099, 100, True), (1031, 2053, 64, True), (17, 5, 9, True)]
     for Tq, Tk, S, garbage in cases:
         if garbage:
             qr, kr, mt = random_slices(Tq, Tk, S, seed=S, garbage=True, n_empty=3)
