@@ -382,23 +382,31 @@ def test_backward_launcher_asks_for_the_schedule_by_mean_slot_length(monkeypatch
     from flashrange.kernels import backward as kbwd
 
     T = 32768 if n_docs > 1 else 8192
-    asked = []
-    real = kbwd.default_config
+    asked, chunked = [], []
+    real, real_chunks = kbwd.default_config, kbwd.kv_head_chunks_for
 
     def spy(*args, **kwargs):
         asked.append(kwargs.get("short_slices"))
         return real(*args, **kwargs)
+
+    def spy_chunks(*args):
+        chunked.append(real_chunks(*args))
+        return chunked[-1]
 
     rows = _docs(T, n_docs, 3) if n_docs > 1 else [(0, T, 0, T, CAUSAL)]
     q, k, v, do, dlse = _inputs(T, T, 2, 1, 128, 128, torch.bfloat16, 4, True)
     qr, kr, mt = _ranges(rows)
     out, lse = flashrange.range_attention(q, k, v, qr, kr, mt)
     monkeypatch.setattr(kbwd, "default_config", spy)
+    monkeypatch.setattr(kbwd, "kv_head_chunks_for", spy_chunks)
     got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse)
     monkeypatch.undo()
     assert asked == [want_short]
+    # 64 key blocks of one KV head at 8k are fewer than the SMs: the call split the group of two query heads
+    # for the dK/dV kernel, which changes dK/dV's float32 sums; the explicit config takes the same split.
+    assert len(chunked) == 1 and chunked[0] == (2 if T == 8192 else 1)
     chosen = real(128, 128, torch.bfloat16, torch.device(DEV), short_slices=want_short)
-    other = dataclasses.replace(chosen, dynamic=not chosen.dynamic)
+    other = dataclasses.replace(chosen, dynamic=not chosen.dynamic, kv_head_chunks=chunked[0])
     want = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=other)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -74,10 +74,6 @@ __all__ = [
 # these sizes the serial work costs more than the launches it saves.
 SMALL_PLAN_SLICES = 128
 SMALL_PLAN_BLOCKS = 32
-# Warps of the one-program plan: its ranking, scans and block order are tiles
-# spread over every thread of the program, so more warps split that serial
-# work (and its registers: 16 warps hold the rank tiles without spilling).
-_SMALL_PLAN_WARPS = 16
 
 # Slots per chunk: the unit of compaction and of the first (counting) sort.
 _BLOCK_C = 128
@@ -758,8 +754,7 @@ def build_plan_triton(q_ranges, k_ranges, mask_types, Tq, Tk, block=PLAN_BLOCK):
         n_tile = max(16, min(128, triton.next_power_of_2(n_max + 1)))
         launch(_plan_small_kernel, (2,),
                (qr, kr, mt, q_slices, q_lo, q_hi, q_order, k_slices, k_lo, k_hi, k_order, ws,
-                S, Tq, Tk, nq, nk, has_blocks, block, s_tile, t_tile, b_tile, n_tile),
-               num_warps=_SMALL_PLAN_WARPS)
+                S, Tq, Tk, nq, nk, has_blocks, block, s_tile, t_tile, b_tile, n_tile))
         if not has_blocks:
             _launch_blocks(plan, ws, nq, nk)
         return plan
