@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The runs of one device call, edited per session (logs under $OUT; carry "ab" for the defaults and plan
-# steps). Left by the twenty-fifth session, which timed the adaptive schedules on an H100 (BENCHMARKS.md) and
-# made the head-dim-128 Hopper defaults depend on the mean slot length (constants.has_short_slices: forward
-# sm90pppma, or sm90pppmak for short slots; backward fixed share, or dynamic for short slots) with no GPU
-# left to run the rule itself:
+# steps). The twenty-fifth session made the head-dim-128 Hopper defaults depend on the mean slot length
+# (constants.has_short_slices: forward sm90pppma, or sm90pppmak for short slots; backward fixed share, or
+# dynamic for short slots); the twenty-sixth ran the defaults step on an H100 (BENCHMARKS.md). Still to run
+# on a GPU: the four Hopper forward fuzzes that passed their time limit there and the transformers-on-CUDA
+# tests (scripts/gpu_suite.sh with SUITE_K="fuzz_hopper_kernel or transformers or head_dim_limit").
 #   defaults  first: the shape-chosen defaults' GPU tests, then their A/B against the fixed defaults of
 #          a937242 through the launchers (bash scripts/ab_export.sh a937242 prev, carry "ab");
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
