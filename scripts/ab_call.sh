@@ -15,6 +15,8 @@
 #   trace  where doc128's items spend their time under the dynamic schedule against the fixed share
 #          (scripts/trace_items.py --configs; export ab/trace here first: python scripts/trace_items.py --export);
 #   bwd    the backward A/B, default against dynamic and adaptive (adaptive once the tests passed);
+#   fbgap  the public call and the call with a plan, forward + backward, per call and per kernel
+#          (scripts/profile_call.py --plan): where the planned call's 5 ms go;
 #   plan   the plan's cost against an exported variant (ab/$PLAN_AGAINST, e.g. a pending patch exported
 #          with bash scripts/ab_export.sh HEAD NAME <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -77,6 +79,13 @@ if has bwd; then
   [ "${adaptive_ok:-0}" = 1 ] && bwd_adaptive="--bwd main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic+adaptive"
   ab bwd 200 --fuzz 3 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic" \
     $bwd_adaptive --cases doc16-32k,doc128-32k,longshort-32k,sharedq-32k,causal-8k,full-8k,swa2048-32k
+fi
+if has fbgap; then
+  # The planned call's forward + backward gap (BENCHMARKS.md, twenty-sixth session): per-call times and
+  # per-kernel tables of the public call and the call with a plan, on the cases that showed it.
+  timeout 200 python scripts/profile_call.py --cases causal-32k,full-16k-gqa32:8 --reps 7 --plan \
+    > "$OUT/fbgap.log" 2>&1
+  echo "fbgap rc=$?" | tee -a "$OUT/rc.txt"; grep -A8 "^---" "$OUT/fbgap.log" | cut -c1-150
 fi
 if has plan; then
   # PLAN_AGAINST: one or more exported variants, each timed beside this checkout's plan in its own process.

@@ -6,6 +6,12 @@ Each case: the bench's inputs and mask, a few warm calls, then ``--reps`` calls 
 ``flashrange.range_attention`` (and of its backward) under ``torch.profiler``; the table lists
 every CUDA kernel's time per call, so the plan, the delta preprocess and the gradient kernels
 show up separately, and each attention kernel's TFLOP/s on its own matmuls.
+
+With ``--plan`` each case also runs with ``plan=`` (built once, as a model's layers share one), and each
+forward + backward step of both calls is first timed alone with CUDA events (every repetition printed,
+L2 not flushed): the bench's "with a plan" forward + backward has run 5 ms above the public call on
+causal-32k and GQA 16k while its forward and backward alone did not (BENCHMARKS.md, twenty-sixth
+session), and the per-kernel tables say whether kernels slow down or the GPU waits.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", required=True)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--plan", action="store_true", help="also the call with a plan built once")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     for case in select(args.cases):
@@ -52,29 +59,53 @@ def main(argv=None):
         k.requires_grad_(True)
         v.requires_grad_(True)
 
-        def fwd():
-            return flashrange.range_attention(q, k, v, *mask.tensors())[0]
+        calls = [("", {})]
+        if args.plan:
+            calls.append((" with a plan", {"plan": flashrange.plan_mask(*mask.tensors(), case.T, case.T)}))
+        for suffix, kwargs in calls:
+            _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, args.reps)
 
-        def step():
-            # The gradients returned, not accumulated into .grad (no extra adds in the table).
-            torch.autograd.grad(fwd(), (q, k, v), dout)
 
-        for label, fn in (("forward", fwd), ("forward + backward", step)):
-            for _ in range(3):
+def _step_times(fn, reps):
+    """Milliseconds of each of ``reps`` calls of ``fn``, CUDA events around each (no flush, no sync between)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, reps):
+    """One call's per-call times (CUDA events), then its per-kernel table under the profiler, forward and
+    forward + backward; ``kwargs`` go to ``range_attention`` (``plan=``)."""
+
+    def fwd():
+        return flashrange.range_attention(q, k, v, *mask.tensors(), **kwargs)[0]
+
+    def step():
+        # The gradients returned, not accumulated into .grad (no extra adds in the table).
+        torch.autograd.grad(fwd(), (q, k, v), dout)
+
+    for label, fn in (("forward", fwd), ("forward + backward", step)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = _step_times(fn, reps)
+        print(f"--- {case.name}, {label}{suffix}: ms per call " + " ".join(f"{t:.3f}" for t in times))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
                 fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.reps):
-                    fn()
-                torch.cuda.synchronize()
-            rows = _kernel_table(prof, args.reps)
-            print(f"--- {case.name}, {label}: GPU us per call, kernels per call, TFLOP/s on the kernel's matmuls")
-            matmul = case_flops(case, area)["fwd"] / 2
-            for us, n, name in rows[:12]:
-                rate = f"{_MATMULS[name] * matmul / us / 1e6:7.0f}" if name in _MATMULS else " " * 7
-                print(f"{us:10.1f} {n:4d} {rate}  {name[:100]}")
-            print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
-
+        rows = _kernel_table(prof, reps)
+        print(f"--- {case.name}, {label}{suffix}: GPU us per call, kernels per call, TFLOP/s on the kernel's "
+              "matmuls")
+        matmul = case_flops(case, area)["fwd"] / 2
+        for us, n, name in rows[:12]:
+            rate = f"{_MATMULS[name] * matmul / us / 1e6:7.0f}" if name in _MATMULS else " " * 7
+            print(f"{us:10.1f} {n:4d} {rate}  {name[:100]}")
+        print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
 
 if __name__ == "__main__":
     main()
