@@ -39,8 +39,8 @@ adaptive_ok="${ADAPTIVE_OK:-0}"
 if has defaults; then
   # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
   # launchers (export the old defaults first: bash scripts/ab_export.sh a937242 prev), after their GPU tests.
-  SUITE_K="default or mean_slot_length or plan_triton_equals" LIMIT=150 PROCS=8 OUT="$OUT/dtests" bash scripts/gpu_suite.sh \
-    > "$OUT/dtests.log" 2>&1
+  SUITE_K="default or mean_slot_length or plan_triton_equals" LIMIT=150 PROCS=8 OUT="$OUT/dtests" \
+    bash scripts/gpu_suite.sh > "$OUT/dtests.log" 2>&1
   cat "$OUT/dtests/summary.txt"
   # blockcausal and sharedq: few slots over long key ranges, so "short" by the rule while their work is
   # dense-like (not yet timed with the short-slice schedules).

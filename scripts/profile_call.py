@@ -7,11 +7,11 @@ Each case: the bench's inputs and mask, a few warm calls, then ``--reps`` calls 
 every CUDA kernel's time per call, so the plan, the delta preprocess and the gradient kernels
 show up separately, and each attention kernel's TFLOP/s on its own matmuls.
 
-With ``--plan`` each case also runs with ``plan=`` (built once, as a model's layers share one), and each
-forward + backward step of both calls is first timed alone with CUDA events (every repetition printed,
-L2 not flushed): the bench's "with a plan" forward + backward has run 5 ms above the public call on
-causal-32k and GQA 16k while its forward and backward alone did not (BENCHMARKS.md, twenty-sixth
-session), and the per-kernel tables say whether kernels slow down or the GPU waits.
+Each call is first timed as the bench times it (median and spread). With ``--plan`` each case also
+runs with ``plan=`` (built once, as a model's layers share one): the bench's "with a plan" forward +
+backward has run 5 ms above the public call on causal-32k and GQA 16k while its forward and backward
+alone did not (BENCHMARKS.md, twenty-sixth session), and the per-kernel tables say whether kernels slow
+down or the GPU waits.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import flashrange
 from flashrange.bench.cases import select
 from flashrange.bench.runner import case_flops, make_inputs
+from flashrange.bench.timing import measure
 
 
 # Matmuls per tile of each attention kernel; one matmul over the mask's area taken as half a forward (exact when
@@ -66,19 +67,8 @@ def main(argv=None):
             _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, args.reps)
 
 
-def _step_times(fn, reps):
-    """Milliseconds of each of ``reps`` calls of ``fn``, CUDA events around each (no flush, no sync between)."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
-
-
 def _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, reps):
-    """One call's per-call times (CUDA events), then its per-kernel table under the profiler, forward and
+    """One call's time per call (the bench's timing), then its per-kernel table under the profiler, forward and
     forward + backward; ``kwargs`` go to ``range_attention`` (``plan=``)."""
 
     def fwd():
@@ -89,11 +79,10 @@ def _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, reps):
         torch.autograd.grad(fwd(), (q, k, v), dout)
 
     for label, fn in (("forward", fwd), ("forward + backward", step)):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = _step_times(fn, reps)
-        print(f"--- {case.name}, {label}{suffix}: ms per call " + " ".join(f"{t:.3f}" for t in times))
+        # Timed as the bench times it (its one timing function: L2 flushed, warm-up included).
+        t = measure(fn, device=q.device, warmup=3, reps=reps)
+        print(f"--- {case.name}, {label}{suffix}: ms per call, median {t.median_ms:.3f}, p20 {t.p20_ms:.3f}, "
+              f"p80 {t.p80_ms:.3f}, min {t.min_ms:.3f}, max {t.max_ms:.3f}")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 fn()
@@ -106,6 +95,7 @@ def _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, reps):
             rate = f"{_MATMULS[name] * matmul / us / 1e6:7.0f}" if name in _MATMULS else " " * 7
             print(f"{us:10.1f} {n:4d} {rate}  {name[:100]}")
         print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
+
 
 if __name__ == "__main__":
     main()
