@@ -17,6 +17,9 @@
 #   bwd    the backward A/B, default against dynamic and adaptive (adaptive once the tests passed);
 #   fbgap  the public call and the call with a plan, forward + backward, per call and per kernel
 #          (scripts/profile_call.py --plan): where the planned call's 5 ms go;
+#   d64    head dim 64: the forward's adaptive, split-barrier and dynamic schedules and the backward's dynamic
+#          one against the fixed-share defaults, on documents, a window and dense 8k (launchers, with a fuzz);
+#   host   the host-overhead table (flashrange bench --host);
 #   plan   the plan's cost against an exported variant (ab/$PLAN_AGAINST, e.g. a pending patch exported
 #          with bash scripts/ab_export.sh HEAD NAME <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -86,6 +89,21 @@ if has fbgap; then
   timeout 200 python scripts/profile_call.py --cases causal-32k,full-16k-gqa32:8 --reps 7 --plan \
     > "$OUT/fbgap.log" 2>&1
   echo "fbgap rc=$?" | tee -a "$OUT/rc.txt"; grep -A8 "^---" "$OUT/fbgap.log" | cut -c1-150
+fi
+if has d64; then
+  # Head dim 64 keeps the fixed-share forward (sm90pppm) and backward on every mask: the schedules that head
+  # dim 128 takes for short slots (constants.has_short_slices) were never timed there.
+  d64cases=doc16-32k-d64,doc128-32k-d64,swa2048-32k-d64,causal-8k-d64,full-8k-d64
+  ab d64fwd 200 --fuzz 2 --fuzz-d 64 --fwd main:default --fwd main:sm90pppma_m128_n128_w4_s3 \
+    --fwd main:sm90pppmak_m128_n128_w4_s2 --fwd main:sm90pppmd_m128_n128_w4_s3 --cases "$d64cases"
+  ab d64bwd 200 --fuzz 2 --fuzz-d 64 --bwd main:default \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+dq+persistent+dynamic" --cases "$d64cases"
+fi
+if has host; then
+  # The host's cost per call (flashrange bench --host: eager public call, with plan=, raw op, compiled, CUDA
+  # graph, SDPA) at 1k, 4k and 8k.
+  timeout 150 python -m flashrange bench --host --no-table --quick --out "$OUT/host" > "$OUT/host.log" 2>&1
+  echo "host rc=$?" | tee -a "$OUT/rc.txt"; grep "^|" "$OUT/host.log" | head -30
 fi
 if has plan; then
   # PLAN_AGAINST: one or more exported variants, each timed beside this checkout's plan in its own process.

@@ -270,6 +270,10 @@ CASES: tuple[Case, ...] = (
     Case("causal-8k-d96", "causal", 8192, D=96, tags=("dims",)),
     Case("full-8k-d64v128", "full", 8192, D=64, Dv=128, tags=("dims",)),
     Case("full-8k-d128v64", "full", 8192, D=128, Dv=64, tags=("dims",)),
+    # Head dim 64 on short and banded slices (A/Bs of the head-dim-64 schedules; not in the table).
+    Case("doc16-32k-d64", "document", 32768, D=64, n_docs=16, seed=16, tags=("dims",)),
+    Case("doc128-32k-d64", "document", 32768, D=64, n_docs=128, seed=128, tags=("dims",)),
+    Case("swa2048-32k-d64", "window", 32768, D=64, window=2048, tags=("dims",)),
     # One KV head for 16 query heads: few dK/dV work items at short T (A/Bs of BwdConfig.kv_head_chunks).
     Case("causal-8k-mqa", "causal", 8192, Hq=16, Hkv=1, tags=("heads",)),
     Case("full-4k-gqa16:2", "full", 4096, Hq=16, Hkv=2, tags=("heads",)),
