@@ -94,9 +94,9 @@ if has d64; then
   # Head dim 64 keeps the fixed-share forward (sm90pppm) and backward on every mask: the schedules that head
   # dim 128 takes for short slots (constants.has_short_slices) were never timed there.
   d64cases=doc16-32k-d64,doc128-32k-d64,swa2048-32k-d64,causal-8k-d64,full-8k-d64
-  ab d64fwd 200 --fuzz 2 --fuzz-d 64 --fwd main:default --fwd main:sm90pppma_m128_n128_w4_s3 \
+  ab d64fwd 180 --fuzz 2 --fuzz-d 64 --fwd main:default --fwd main:sm90pppma_m128_n128_w4_s3 \
     --fwd main:sm90pppmak_m128_n128_w4_s2 --fwd main:sm90pppmd_m128_n128_w4_s3 --cases "$d64cases"
-  ab d64bwd 200 --fuzz 2 --fuzz-d 64 --bwd main:default \
+  ab d64bwd 150 --fuzz 2 --fuzz-d 64 --bwd main:default \
     --bwd "main:64,128,8,3,128,128,8,3,dkdv+dq+persistent+dynamic" --cases "$d64cases"
 fi
 if has host; then
