@@ -17,6 +17,7 @@ down or the GPU waits.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -50,8 +51,15 @@ def main(argv=None):
     ap.add_argument("--cases", required=True)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--plan", action="store_true", help="also the call with a plan built once")
+    ap.add_argument("--variants", action="store_true",
+                    help="instead: forward + backward of the public call, the call with a plan and three variants "
+                         "of it, timed in interleaved rounds and then each in a run of its own")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    if args.variants:
+        for case in select(args.cases):
+            _variants(case, dev, args.reps)
+        return
     for case in select(args.cases):
         built = case.build(dev)
         mask, area = built.mask, built.area
@@ -95,6 +103,83 @@ def _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, reps):
             rate = f"{_MATMULS[name] * matmul / us / 1e6:7.0f}" if name in _MATMULS else " " * 7
             print(f"{us:10.1f} {n:4d} {rate}  {name[:100]}")
         print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
+
+
+def _clock_mhz():
+    """The SM clock now (NVML through torch), or None where pynvml is missing."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001 - a diagnostic column, absent without pynvml
+        return None
+
+
+def _variants(case, dev, reps):
+    """Forward + backward per call of the public call and of the call with a plan, with the variants that
+    tell apart what the planned call changes: the plan's tensors made anew for each call (cloned, so
+    the same values at new addresses), the forward's recorded launches forgotten before each call (the
+    full launch path every time), and the raw op with the same plan. First interleaved rounds (each
+    variant once per round, L2 flushed, a sync and an SM clock reading after each call), then each
+    variant alone as the bench times it (``measure``: every repetition queued before one sync)."""
+    from flashrange.kernels import forward as kfwd
+
+    built = case.build(dev)
+    mask = built.mask
+    tensors = mask.tensors()
+    q, k, v, dout = make_inputs(case, dev, torch.bfloat16)
+    leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
+    plan = flashrange.plan_mask(*tensors, case.T, case.T)
+    op_plan = list(plan)
+    scale = case.D ** -0.5
+
+    def public():
+        return flashrange.range_attention(*leaves, *tensors)[0]
+
+    def planned():
+        return flashrange.range_attention(*leaves, *tensors, plan=plan)[0]
+
+    def fresh_plan():
+        return flashrange.range_attention(*leaves, *tensors, plan=type(plan)(*(t.clone() for t in plan)))[0]
+
+    def unrecorded():
+        kfwd._RECIPES.clear()
+        return flashrange.range_attention(*leaves, *tensors, plan=plan)[0]
+
+    def raw_op():
+        return torch.ops.flashrange.fwd(*leaves, *tensors, op_plan, scale, 0.0)[0]
+
+    variants = [("public", public), ("plan", planned), ("plan cloned per call", fresh_plan),
+                ("plan, launch unrecorded", unrecorded), ("raw op", raw_op)]
+    steps = {name: (lambda f=f: torch.autograd.grad(f(), leaves, dout)) for name, f in variants}
+    for step in steps.values():
+        step()
+    torch.cuda.synchronize()
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    times = {name: [] for name in steps}
+    clocks = {name: [] for name in steps}
+    for r in range(reps):
+        order = list(steps.items())
+        order = order[r % len(order):] + order[:r % len(order)]  # each variant takes every position in turn
+        for name, step in order:
+            buf.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+            clocks[name].append(_clock_mhz())
+    print(f"--- {case.name}, forward + backward, {reps} interleaved rounds, synced per call: ms (median, min, max), "
+          "SM MHz after the call (min, max)")
+    for name in steps:
+        xs = sorted(times[name])
+        cs = [c for c in clocks[name] if c is not None]
+        clock = f"{min(cs)}-{max(cs)}" if cs else "n/a"
+        print(f"    {name:28s} {statistics.median(xs):8.3f} {xs[0]:8.3f} {xs[-1]:8.3f}   {clock}")
+    print(f"--- {case.name}, forward + backward, each alone as the bench times it (measure, {reps} reps): ms "
+          "(median, p20, p80, max), SM MHz after")
+    for name, step in steps.items():
+        t = measure(step, device=dev, warmup=3, reps=reps)
+        print(f"    {name:28s} {t.median_ms:8.3f} {t.p20_ms:8.3f} {t.p80_ms:8.3f} {t.max_ms:8.3f}   {_clock_mhz()}")
 
 
 if __name__ == "__main__":

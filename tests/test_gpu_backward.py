@@ -431,9 +431,9 @@ def test_gluon_backward_is_the_default_and_builds():
         assert (cfg.gluon_dkdv, cfg.gluon_dq) == (want_dkdv, want_dq), (D, Dv, dtype)
         # The Gluon kernels run on the persistent grid (docs/design.md, "The Hopper backward").
         assert cfg.persistent == (want_dkdv or want_dq), (D, Dv, dtype)
-        # Short slots on average: the dynamic schedule at head dim 128 only ("Schedules chosen by shape").
+        # Short slots on average: the dynamic schedule of the Gluon kernels ("Schedules chosen by shape").
         short = default_config(D, Dv, dtype, torch.device(DEV), short_slices=True)
-        assert short.dynamic == (want_dkdv and max(D, Dv) > 64), (D, Dv, dtype)
+        assert short.dynamic == want_dkdv, (D, Dv, dtype)
         assert dataclasses.replace(short, dynamic=False) == cfg, (D, Dv, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

@@ -445,11 +445,12 @@ def test_hopper_kernel_is_the_default_and_builds():
     # Short documents side by side walk merged tiles (docs/design.md, "Merged tiles").
     assert default_config(128, 128, torch.bfloat16).merge
     assert default_config(64, 64, torch.bfloat16).merge and default_config(64, 64, torch.bfloat16).persistent
-    # Head dim 128: the adaptive schedule, and split barriers where the slots are short on average
-    # (docs/design.md, "Schedules chosen by shape"); head dim 64 keeps the fixed share either way.
+    # Head dims 128 and 64: the adaptive schedule; split barriers where the slots are short on average at
+    # head dim 128 only (docs/design.md, "Schedules chosen by shape").
     assert default_config(128, 128, torch.bfloat16).adaptive
     assert not default_config(128, 128, torch.bfloat16).split_kv
     assert default_config(128, 128, torch.bfloat16, short_slices=True).split_kv
+    assert default_config(64, 64, torch.bfloat16).adaptive and not default_config(64, 64, torch.bfloat16).split_kv
     assert default_config(64, 64, torch.bfloat16, short_slices=True) == default_config(64, 64, torch.bfloat16)
 
 
@@ -561,7 +562,8 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
 @pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3",
-                                    "sm90pppmd_m128_n128_w4_s3", "sm90pppmk_m128_n128_w4_s2",
+                                    "sm90pppmd_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3",
+                                    "sm90pppmk_m128_n128_w4_s2",
                                     "sm90pppmkq_m128_n128_w4_s2"])
 def test_fuzz_hopper_kernel(config):
     """300 random masks forced through the Hopper kernel, at the head dims it serves.
@@ -590,28 +592,30 @@ def test_hopper_persistent_grid_is_bitwise_the_same(kind):
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
-@pytest.mark.parametrize("config", ["sm90pppmd_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3",
-                                    "sm90pppmak_m128_n128_w4_s2"], ids=["dynamic", "adaptive", "adaptive-split-kv"])
+@pytest.mark.parametrize("config, D", [("sm90pppmd_m128_n128_w4_s3", 128), ("sm90pppma_m128_n128_w4_s3", 128),
+                                       ("sm90pppmak_m128_n128_w4_s2", 128), ("sm90pppma_m128_n128_w4_s3", 64)],
+                         ids=["dynamic", "adaptive", "adaptive-split-kv", "adaptive-d64"])
 @pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
-def test_hopper_dynamic_schedule_is_bitwise_the_same(kind, config):
+def test_hopper_dynamic_schedule_is_bitwise_the_same(kind, config, D):
     """Programs that take their items from a shared counter give the bits of the fixed zig-zag share, on
     every launch: each launch's counter starts from zero, so later launches (through the recorded fast
     path, with a plan given) cover every row again; rows left unwritten would keep the NaN put there. The
-    adaptive schedule takes one or the other per launch (both occur among these masks)."""
+    adaptive schedule takes one or the other per launch (both occur among these masks); it is the default
+    at head dims 128 and 64."""
     from flashrange.kernels.forward import range_attention_forward_triton
 
     T = 8191
-    q, k, v = make_qkv(T, T, 8, 2, 128, 128, torch.bfloat16, DEV, seed=19)
+    q, k, v = make_qkv(T, T, 8, 2, D, D, torch.bfloat16, DEV, seed=19)
     qr, kr, mt = _short_mask(T, 700, 5) if kind == "short" else _mask(kind, T, 4)
-    fixed = _run(q, k, v, qr, kr, mt, 128 ** -0.5, config="sm90pppm_m128_n128_w4_s3")
+    fixed = _run(q, k, v, qr, kr, mt, D ** -0.5, config="sm90pppm_m128_n128_w4_s3")
     qr, kr, mt = qr.to(DEV), kr.to(DEV), mt.to(DEV)
     plan = flashrange.plan_mask(qr, kr, mt, T, T)
     for _ in range(3):
         # NaN where the outputs will be allocated (the caching allocator hands freed blocks back).
-        poison = (torch.full((T, 8, 128), float("nan"), dtype=torch.bfloat16, device=DEV),
+        poison = (torch.full((T, 8, D), float("nan"), dtype=torch.bfloat16, device=DEV),
                   torch.full((T, 8), float("nan"), device=DEV))
         del poison
-        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, 128 ** -0.5, plan=plan, config=config)
+        out, lse = range_attention_forward_triton(q, k, v, qr, kr, mt, D ** -0.5, plan=plan, config=config)
         assert torch.equal(out, fixed[0]) and torch.equal(lse, fixed[1])
 
 

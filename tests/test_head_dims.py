@@ -185,13 +185,12 @@ def test_hopper_backward_default_at_head_dim_128(D, Dv):
 @pytest.mark.parametrize("D, Dv", [(128, 128), (96, 96), (64, 128)], ids=["d128", "d96", "d64-dv128"])
 def test_hopper_backward_short_slices_take_the_dynamic_schedule(D, Dv):
     """Short slots on average change only the schedule of the Hopper kernels at head dim 128 (the counter's
-    order, the same tiles and bits); head dim 64, the Triton kernels and float32 keep their defaults."""
+    order, the same tiles and bits); the Triton kernels and float32 keep their defaults."""
     hopper = kbwd._default_config(D, Dv, torch.bfloat16, True, True, False, True)
     assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
                                     dynamic=True)
     assert not hopper.adaptive
-    for args in ((64, 64, torch.bfloat16, True, True), (D, Dv, torch.bfloat16, True, False),
-                 (D, Dv, torch.float32, True, True)):
+    for args in ((D, Dv, torch.bfloat16, True, False), (D, Dv, torch.float32, True, True)):
         assert kbwd._default_config(*args, False, True) == kbwd._default_config(*args, False, False), args
 
 
@@ -205,6 +204,17 @@ def test_hopper_forward_short_slice_default_is_the_same_tiles():
     assert (short.BLOCK_M, short.BLOCK_N, short.num_warps) == (base.BLOCK_M, base.BLOCK_N, base.num_warps)
     assert short.gluon and short.persistent and short.merge and short.dynamic
     assert set(kfwd._SM90_SHORT_SLICES) == {128}
+
+
+def test_hopper_forward_default_at_head_dim_64_is_adaptive():
+    """Head dim 64's Hopper default is the adaptive schedule over the merged-tile kernel's tiles and ring
+    (the same bits as the fixed share, sm90pppm), for long and short slots alike."""
+    d64 = kfwd._BY_NAME[kfwd._SM90_DEFAULTS[64]]
+    fixed = kfwd._BY_NAME["sm90pppm_m128_n128_w4_s3"]
+    assert d64.adaptive and d64.dynamic and not d64.split_kv
+    assert (d64.BLOCK_M, d64.BLOCK_N, d64.num_warps, d64.num_stages) == (
+        fixed.BLOCK_M, fixed.BLOCK_N, fixed.num_warps, fixed.num_stages)
+    assert d64.gluon and d64.persistent and d64.merge and d64.pingpong
 
 
 def test_hopper_forward_default_by_slot_length(monkeypatch):
@@ -241,11 +251,14 @@ def test_has_short_slices(Tq, Tk, n_slots, want):
 @pytest.mark.parametrize("softcap", [False, True], ids=["no-softcap", "softcap"])
 def test_hopper_backward_default_at_head_dim_64(softcap):
     """On Hopper (asked without one), head dim 64 takes both Gluon kernels; the dQ kernel walks 128-key tiles
-    except with a softcap (64-key tiles, the same bits); elsewhere the Triton kernels' 64-key tiles."""
+    except with a softcap (64-key tiles, the same bits); short slots on average take the dynamic schedule of
+    the same tiles, as at head dim 128; elsewhere the Triton kernels' 64-key tiles, whatever the slots."""
     want_n = 64 if softcap else 128
-    hopper = kbwd._default_config(64, 64, torch.bfloat16, True, True, softcap)
-    assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, want_n, 8, 3, gluon_dkdv=True, gluon_dq=True,
-                                    persistent=True)
-    other = kbwd._default_config(64, 64, torch.bfloat16, True, False, softcap)
-    assert other == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
+    for short in (False, True):
+        hopper = kbwd._default_config(64, 64, torch.bfloat16, True, True, softcap, short)
+        assert hopper == kbwd.BwdConfig(64, 128, 8, 3, 128, want_n, 8, 3, gluon_dkdv=True, gluon_dq=True,
+                                        persistent=True, dynamic=short)
+        assert not hopper.adaptive
+        other = kbwd._default_config(64, 64, torch.bfloat16, True, False, softcap, short)
+        assert other == kbwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3)
 

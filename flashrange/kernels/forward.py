@@ -429,9 +429,11 @@ _DEFAULTS = {
 # public-call run had kept the Triton kernel there until then. At head dim 128 the adaptive schedule
 # (the counter's order where the mask's heaviest slice is long) won the twenty-fifth session's A/B on
 # every case but one within 3%; with short slots on average (constants.has_short_slices) the split key
-# and value barriers add 2-8% on documents, and lose 2-3% on long single slices, hence the two.
+# and value barriers add 2-8% on documents, and lose 2-3% on long single slices, hence the two. At head
+# dim 64 the adaptive schedule gained 18% on 16 documents in 32k and was level elsewhere (twenty-seventh
+# session), while the split barriers lost 1-4% on every mask timed there: no short-slice default.
 _SM90_DEFAULTS = {
-    64: "sm90pppm_m128_n128_w4_s3",
+    64: "sm90pppma_m128_n128_w4_s3",
     128: "sm90pppma_m128_n128_w4_s3",
 }
 _SM90_SHORT_SLICES = {
