@@ -16,7 +16,8 @@
 #          (scripts/trace_items.py --configs; export ab/trace here first: python scripts/trace_items.py --export);
 #   bwd    the backward A/B, default against dynamic and adaptive (adaptive once the tests passed);
 #   fbgap  the public call and the call with a plan, forward + backward, per call and per kernel
-#          (scripts/profile_call.py --plan): where the planned call's 5 ms go;
+#          (scripts/profile_call.py --plan); the twenty-seventh session found the planned call's 5 ms to
+#          be the GPU's clock falling under sustained load (profile_call.py --variants);
 #   d64    head dim 64: the forward's adaptive, split-barrier and dynamic schedules and the backward's dynamic
 #          one against the fixed-share defaults, on documents, a window and dense 8k (launchers, with a fuzz);
 #   host   the host-overhead table (flashrange bench --host);

@@ -8,10 +8,14 @@ every CUDA kernel's time per call, so the plan, the delta preprocess and the gra
 show up separately, and each attention kernel's TFLOP/s on its own matmuls.
 
 Each call is first timed as the bench times it (median and spread). With ``--plan`` each case also
-runs with ``plan=`` (built once, as a model's layers share one): the bench's "with a plan" forward +
-backward has run 5 ms above the public call on causal-32k and GQA 16k while its forward and backward
-alone did not (BENCHMARKS.md, twenty-sixth session), and the per-kernel tables say whether kernels slow
-down or the GPU waits.
+runs with ``plan=`` (built once, as a model's layers share one). With ``--variants``, forward + backward
+of the public call, the call with a plan, the plan cloned per call, the plan with the forward's
+recorded launch forgotten per call, and the raw op, in interleaved rounds with the SM clock read after
+each call, then each alone as the bench times it. That is how the bench's "with a plan" forward +
+backward, 5 ms above the public call on causal-32k and GQA 16k in two sessions, was found to be the GPU
+lowering its clock under sustained load (readings of 1185-1710 MHz against 1980), which slows whichever
+contender runs then: interleaved, every variant had the same median and the same slow tail
+(BENCHMARKS.md, twenty-seventh session).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from flashrange import bench
 from flashrange.bench import cases as bench_cases
 from flashrange.bench import report, timing
 from flashrange.bench.contenders import FlashRangePublic
-from flashrange.bench.runner import TOLERANCE, case_flops
+from flashrange.bench.runner import TOLERANCE, case_flops, note_low_clocks
 from golden import dense_counts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +166,30 @@ def test_timing_returns_median_and_spread():
     assert timing.host_us_per_call(lambda: None, device="cpu", n=10) >= 0
     with pytest.raises(ValueError):
         timing.measure(lambda: None, device="cpu", reps=0)
+
+
+def test_sm_clock_is_none_off_cuda():
+    assert timing.sm_clock_mhz("cpu") is None
+
+
+def test_low_clock_notes_flag_only_the_throttled_contender():
+    """A record whose clock reading after its timings is below 90% of the case's highest gets a note that names
+    both readings; others, records without a reading and their earlier notes stay as they were."""
+    results = {
+        "flashrange": {"status": "ok", "note": "", "sm_mhz": 1710},
+        "flashrange+plan": {"status": "ok", "note": "earlier", "sm_mhz": 1245},
+        "flashrange-op": {"status": "ok", "note": "", "sm_mhz": 1560},
+        "fa4": {"status": "n/a", "note": "not installed"},
+        "cpu-run": {"status": "ok", "note": "", "sm_mhz": None},
+    }
+    note_low_clocks(results)
+    assert results["flashrange+plan"]["note"].startswith("earlier SM clock 1245 MHz after timing (1710 ")
+    assert "throttled" in results["flashrange+plan"]["note"]
+    assert results["flashrange"]["note"] == "" and results["flashrange-op"]["note"] == ""
+    assert results["fa4"]["note"] == "not installed" and results["cpu-run"]["note"] == ""
+    untouched = {"flashrange": {"status": "ok", "note": "x"}}
+    note_low_clocks(untouched)
+    assert untouched["flashrange"]["note"] == "x"
 
 
 # ---------------------------------------------------------------------------

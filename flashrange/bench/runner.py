@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .contenders import Flex, short_error, time_create_block_mask
-from .timing import measure, synchronize
+from .timing import measure, sm_clock_mhz, synchronize
 
 __all__ = [
     "Settings",
@@ -38,6 +38,7 @@ __all__ = [
     "rel_err",
     "run_table",
     "case_record",
+    "note_low_clocks",
 ]
 
 # Relative L2 difference allowed between a contender and the baseline: two
@@ -179,7 +180,9 @@ def _run_contender(c, case, cm, inputs, base, st: Settings) -> dict:
                 rec["note"] = (rec["note"] + " " if rec["note"] else "") + f"HOST SYNC: {syncs[0][:60]}"
         if st.check_only:
             return rec
+        clocks = []
         rec["fwd"] = measure(lambda: fn(*leaves), device=device, warmup=st.warmup, reps=st.reps).as_dict()
+        clocks.append(sm_clock_mhz(device))
         if backward:
             out = fn(*leaves)
             try:
@@ -188,8 +191,12 @@ def _run_contender(c, case, cm, inputs, base, st: Settings) -> dict:
             except RuntimeError as e:
                 rec["note"] = (rec["note"] + " " if rec["note"] else "") + f"no bwd time ({short_error(e)[:60]})"
             del out
+            clocks.append(sm_clock_mhz(device))
             rec["fwdbwd"] = measure(lambda: torch.autograd.grad(fn(*leaves), leaves, dout_l),
                                     device=device, warmup=st.warmup, reps=st.reps).as_dict()
+            clocks.append(sm_clock_mhz(device))
+        clocks = [c for c in clocks if c is not None]
+        rec["sm_mhz"] = min(clocks) if clocks else None
         if device.type == "cuda":
             # Peak memory of one call (fwd+bwd when timed) above what was live before it.
             _free(device)
@@ -210,6 +217,26 @@ def _run_contender(c, case, cm, inputs, base, st: Settings) -> dict:
         del fn, leaves
         _free(device)
     return rec
+
+
+# A contender whose lowest SM clock reading after its timings is below this share of the case's highest
+# reading gets a note: the GPU lowered its clock under sustained load while it ran (BENCHMARKS.md, twenty-seventh
+# session: a "with a plan" forward + backward 16% slower than the public call was this, not the call).
+LOW_CLOCK_SHARE = 0.9
+
+
+def note_low_clocks(results: dict) -> None:
+    """Add a note to each timed record of one case whose ``sm_mhz`` is below ``LOW_CLOCK_SHARE`` of the case's
+    highest reading; records without a reading are left alone."""
+    readings = [r["sm_mhz"] for r in results.values() if r.get("sm_mhz")]
+    if not readings:
+        return
+    top = max(readings)
+    for rec in results.values():
+        mhz = rec.get("sm_mhz")
+        if mhz and mhz < LOW_CLOCK_SHARE * top:
+            note = f"SM clock {mhz} MHz after timing ({top} for another contender): throttled, compare with care"
+            rec["note"] = (rec["note"] + " " if rec.get("note") else "") + note
 
 
 def case_record(case, cm) -> dict:
@@ -276,6 +303,7 @@ def run_table(cases, contenders, st: Settings, data: dict, budget, *, on_case_do
                     _say(f"!!! MISMATCH {msg}")
                     if st.fail_fast:
                         stop = "stopped at the first mismatch (--fail-fast)"
+        note_low_clocks(crec["results"])
         if not st.check_only and not stop and not budget.spent() and any(
             isinstance(c, Flex) and crec["results"].get(c.name, {}).get("status") == "ok" for c in contenders
         ):

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Timing", "Budget", "measure", "host_us_per_call", "synchronize", "L2_FLUSH_BYTES"]
+__all__ = ["Timing", "Budget", "measure", "host_us_per_call", "synchronize", "sm_clock_mhz", "L2_FLUSH_BYTES"]
 
 # Larger than the L2 of any current GPU (H100/H200: 50 MiB, B200: 126 MiB).
 L2_FLUSH_BYTES = 256 << 20
@@ -69,6 +69,19 @@ def synchronize(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sm_clock_mhz(device):
+    """The SM clock of a CUDA ``device`` now, in MHz (NVML, through ``torch.cuda.clock_rate``); ``None``
+    elsewhere or without NVML. A sample, not an average: read right after a timed run, it shows a GPU that
+    lowered its clock under sustained load (power or heat), which slows whatever runs then."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # noqa: BLE001 - no pynvml, or NVML refused: the reading is only informative
+        return None
 
 
 def _flush_buffer(device):
