@@ -380,20 +380,25 @@ def test_gpu_shards_put_long_tests_alone_and_keep_files_together(tmp_path, monke
 
 def test_bench_table_rows_and_ratios(tmp_path):
     """``scripts/bench_table.py``: one row a case, the public call given a plan beside the raw op, ratios of the
-    peers' times over flashrange's, and a dash where a contender did not run."""
+    peers' times over flashrange's, the range of the contenders' SM clock readings, and a dash where a
+    contender did not run or no clock was read."""
     def res(fwd, fwdbwd):
         return {"fwd": {"median_ms": fwd, "p20_ms": fwd * 0.9, "p80_ms": fwd * 1.1}, "fwdbwd": {"median_ms": fwdbwd}}
 
     data = {"cases": [{"name": "causal-8k", "results": {
-        "flashrange": dict(res(0.5, 2.0), peak_mem_bytes=3 * 2**20), "flashrange+plan": res(0.45, 1.9),
-        "flashrange-op": res(0.44, 1.8), "sdpa-cudnn": res(0.5, 2.2), "fa4": res(0.4, 1.6)}}]}
+        "flashrange": dict(res(0.5, 2.0), peak_mem_bytes=3 * 2**20, sm_mhz=1710),
+        "flashrange+plan": dict(res(0.45, 1.9), sm_mhz=1245), "flashrange-op": res(0.44, 1.8),
+        "sdpa-cudnn": dict(res(0.5, 2.2), sm_mhz=1500), "fa4": res(0.4, 1.6)}}],
+    }
+    data["cases"].append({"name": "doc16-32k", "results": {"flashrange": res(0.7, 2.7)}})
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(data))
     lines = _script("bench_table").table(str(path)).splitlines()
-    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert len(lines) == 4 and len({line.count("|") for line in lines}) == 1
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells == ["causal-8k", "0.500", "2.000", "20", "0.450 / 1.900", "0.440 / 1.800", "0.500 / 2.200",
-                     "0.400 / 1.600", "– / –", "1.00", "0.80", "1.10", "0.80", "3"]
+                     "0.400 / 1.600", "– / –", "1.00", "0.80", "1.10", "0.80", "3", "1245-1710"]
+    assert [c.strip() for c in lines[3].strip("|").split("|")][-1] == "–"
 
 
 def test_ab_backward_config_reads_every_flag():
