@@ -2,9 +2,11 @@
 # The runs of one device call, edited per session (logs under $OUT; carry "ab" for the defaults and plan
 # steps). The twenty-fifth session made the head-dim-128 Hopper defaults depend on the mean slot length
 # (constants.has_short_slices: forward sm90pppma, or sm90pppmak for short slots; backward fixed share, or
-# dynamic for short slots); the twenty-sixth ran the defaults step on an H100 (BENCHMARKS.md). Still to run
-# on a GPU: the four Hopper forward fuzzes that passed their time limit there and the transformers-on-CUDA
-# tests (scripts/gpu_suite.sh with SUITE_K="fuzz_hopper_kernel or transformers or head_dim_limit").
+# dynamic for short slots); the twenty-sixth ran the defaults step on an H100 (BENCHMARKS.md); the
+# twenty-seventh ran d64 (and made head dim 64 take the same schedules: forward sm90pppma for every mask,
+# backward dynamic for short slots), fbgap with profile_call.py --variants (the GPU's clock, not the call),
+# host, and the GPU tests left over. Not run on a GPU yet: an H200 bar table (none has been lent since the
+# sixteenth session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
 #   defaults  first: the shape-chosen defaults' GPU tests, then their A/B against the fixed defaults of
 #          a937242 through the launchers (bash scripts/ab_export.sh a937242 prev, carry "ab");
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
