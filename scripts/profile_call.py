@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 import flashrange
 from flashrange.bench.cases import select
 from flashrange.bench.runner import case_flops, make_inputs
-from flashrange.bench.timing import measure
+from flashrange.bench.timing import L2_FLUSH_BYTES, measure, sm_clock_mhz
 
 
 # Matmuls per tile of each attention kernel; one matmul over the mask's area taken as half a forward (exact when
@@ -109,14 +109,6 @@ def _profile_case(case, area, mask, q, k, v, dout, kwargs, suffix, reps):
         print(f"{sum(r[0] for r in rows):10.1f}       (sum)")
 
 
-def _clock_mhz():
-    """The SM clock now (NVML through torch), or None where pynvml is missing."""
-    try:
-        return torch.cuda.clock_rate()
-    except Exception:  # noqa: BLE001 - a diagnostic column, absent without pynvml
-        return None
-
-
 def _variants(case, dev, reps):
     """Forward + backward per call of the public call and of the call with a plan, with the variants that
     tell apart what the planned call changes: the plan's tensors made anew for each call (cloned, so
@@ -157,7 +149,7 @@ def _variants(case, dev, reps):
     for step in steps.values():
         step()
     torch.cuda.synchronize()
-    buf = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
     times = {name: [] for name in steps}
     clocks = {name: [] for name in steps}
     for r in range(reps):
@@ -171,7 +163,7 @@ def _variants(case, dev, reps):
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
-            clocks[name].append(_clock_mhz())
+            clocks[name].append(sm_clock_mhz(dev))
     print(f"--- {case.name}, forward + backward, {reps} interleaved rounds, synced per call: ms (median, min, max), "
           "SM MHz after the call (min, max)")
     for name in steps:
@@ -183,7 +175,7 @@ def _variants(case, dev, reps):
           "(median, p20, p80, max), SM MHz after")
     for name, step in steps.items():
         t = measure(step, device=dev, warmup=3, reps=reps)
-        print(f"    {name:28s} {t.median_ms:8.3f} {t.p20_ms:8.3f} {t.p80_ms:8.3f} {t.max_ms:8.3f}   {_clock_mhz()}")
+        print(f"    {name:28s} {t.median_ms:8.3f} {t.p20_ms:8.3f} {t.p80_ms:8.3f} {t.max_ms:8.3f}   {sm_clock_mhz(dev)}")
 
 
 if __name__ == "__main__":
