@@ -23,6 +23,8 @@
 #   d64    head dim 64: the forward's adaptive, split-barrier and dynamic schedules and the backward's dynamic
 #          one against the fixed-share defaults, on documents, a window and dense 8k (launchers, with a fuzz);
 #   host   the host-overhead table (flashrange bench --host);
+#   atomic the twenty-eighth session's BwdConfig.atomic_dq (head dim 64, dQ added by bulk reduce-adds inside the
+#          Gluon dK/dV kernel): its GPU tests, then its A/B against the two-launch default with a fuzz;
 #   plan   the plan's cost against an exported variant (ab/$PLAN_AGAINST, e.g. a pending patch exported
 #          with bash scripts/ab_export.sh HEAD NAME <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -38,10 +40,18 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-STEPS="${STEPS:-defaults fwd bwd}"
+STEPS="${STEPS:-atomic}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
+if has atomic; then
+  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_backward.py -k atomic > "$OUT/atomic_tests.log" 2>&1
+  echo "atomic tests rc=$?" | tee -a "$OUT/rc.txt"; tail -15 "$OUT/atomic_tests.log"
+  ab atomic 300 --fuzz 6 --fuzz-d 64 --bwd main:default \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic" \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+dynamic+atomic" \
+    --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,swa2048-32k-d64
+fi
 if has defaults; then
   # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
   # launchers (export the old defaults first: bash scripts/ab_export.sh a937242 prev), after their GPU tests.

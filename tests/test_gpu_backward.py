@@ -737,6 +737,74 @@ def test_fused_dq_backward_on_the_gpu(D, Dv, tiles):
 
 
 # ---------------------------------------------------------------------------------------------
+# dQ added by bulk reduce-adds inside the Gluon dK/dV kernel (BwdConfig.atomic_dq, opt-in, head dim 64)
+
+
+def _atomic_pair(dynamic, chunks=1):
+    """The head-dim-64 Gluon config with and without ``atomic_dq`` (the same dK/dV tiles and schedule)."""
+    from flashrange.kernels.backward import BwdConfig
+
+    base = dict(gluon_dkdv=True, gluon_dq=True, persistent=True, dynamic=dynamic, kv_head_chunks=chunks)
+    return (BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, **base),
+            BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, atomic_dq=True, **base))
+
+
+ATOMIC_CASES = [
+    pytest.param(64, 64, 0.0, False, 1, id="d64"),
+    pytest.param(64, 64, 0.0, True, 1, id="d64-dynamic"),
+    pytest.param(48, 40, 0.0, False, 1, id="d48-dv40"),
+    pytest.param(64, 64, 20.0, False, 1, id="d64-softcap"),
+    pytest.param(64, 64, 0.0, False, 2, id="d64-2-chunks"),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need compute capability 9")
+@pytest.mark.parametrize("D, Dv, softcap, dynamic, chunks", ATOMIC_CASES)
+def test_atomic_dq_backward_on_hopper(D, Dv, softcap, dynamic, chunks):
+    """dQ within the three-way budget of the float64 reference on a mask of documents, long, reversed and short
+    slices, overlaps and uncovered rows; dK and dV bitwise those of the two-launch backward of the same tiles
+    (only dQ's path changes); dQ within a few bf16 roundings of the two-launch dQ."""
+    default, atomic = _atomic_pair(dynamic, chunks)
+    T = 3001
+    rows = (_docs(T - 200, 17, 4) + [(100, 2000, 50, 1900, FULL), (2000, 2801, 2000, 2700, INV_CAUSAL),
+                                     (0, T - 200, 0, T, CAUSAL)]
+            + short_slice_rows(T - 200, T, 60, random.Random(5)))
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, qr, kr, mt) = _three_way(
+        T, T, 8, 2, D, Dv, rows, torch.bfloat16, softcap=softcap, seed=21, config=atomic)
+    dq0, dk0, dv0 = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse,
+                                                    config=default)
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
+    assert (dq.float() - dq0.float()).abs().max() <= 0.02 * dq0.float().abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels need compute capability 9")
+def test_atomic_dq_keeps_nan_of_unread_tokens_out():
+    """Tokens no slice reads hold NaN in q, k, v and dO (keys inside a key block that other slices read, so
+    the dQ matmul meets them): every gradient stays finite, uncovered rows' dQ and unread keys' dK, dV zero."""
+    _, atomic = _atomic_pair(False)
+    T, Hq, Hkv, D = 1000, 4, 2, 64
+    rows = [(0, 300, 0, 300, CAUSAL), (300, 600, 340, 600, FULL), (650, 900, 610, 900, CAUSAL),
+            (900, 960, 0, 50, FULL)]
+    q, k, v, do, dlse = _inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, 3)
+    qr, kr, mt = _ranges(rows)
+    read_rows = torch.zeros(T, dtype=torch.bool, device=DEV)
+    read_keys = torch.zeros(T, dtype=torch.bool, device=DEV)
+    for qs, qe, ks, ke, _ in rows:
+        read_rows[qs:qe] = True
+        read_keys[ks:ke] = True
+    # The forward of the clean tensors: what a kernel's forward gives the read tokens.
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
+    for t, read in ((q, read_rows), (do, read_rows), (out, read_rows), (k, read_keys), (v, read_keys)):
+        t[~read] = float("nan")
+    dq, dk, dv = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=atomic)
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+    assert (dq[~read_rows] == 0).all() and (dk[~read_keys] == 0).all() and (dv[~read_keys] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
 # A GQA group's query heads split into chunks for the dK/dV kernel (BwdConfig.kv_head_chunks)
 
 

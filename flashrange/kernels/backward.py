@@ -70,7 +70,7 @@ from .common import (
     tma_aligned,
     warn_gluon_fallback,
 )
-from .backward_fused import MAX_SPINS_GPU, fused_backward
+from .backward_fused import MAX_SPINS_GPU, fused_backward, row_workspace
 from .plan import build_plan
 
 __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
@@ -409,6 +409,11 @@ class BwdConfig:
     # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
     # the dQ fields.
     fused_dq: bool = False
+    # Opt-in and NOT deterministic: the Gluon dK/dV kernel at padded head dim 64 also computes dQ (five matmuls
+    # per tile, no dQ kernel) and adds it to a float32 accumulator with bulk reduce-adds whose order varies from
+    # run to run, so dQ's last bits may differ between identical calls (docs/design.md, "dQ by reduce-adds").
+    # Needs gluon_dkdv and kv_block_m=64; calls the Gluon kernel cannot take run the two-launch backward.
+    atomic_dq: bool = False
     # The query heads of each GQA group split into this many chunks for the dK/dV kernel: each chunk is a work
     # item of its own (more items when key blocks x KV heads are few, as with one KV head at short T), its
     # heads summed into float32 partial dK/dV that one fixed-shape reduction adds afterwards. Must divide the
@@ -418,7 +423,7 @@ class BwdConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq", "atomic_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -438,6 +443,10 @@ class BwdConfig:
         if self.fused_dq and self.kv_head_chunks != 1:
             raise ValueError("BwdConfig.kv_head_chunks applies to the dK/dV kernel of the two-launch backward: "
                              "leave it 1 with fused_dq")
+        if self.atomic_dq and not (self.gluon_dkdv and self.kv_block_m == 64):
+            raise ValueError("BwdConfig.atomic_dq adds dQ inside the Gluon dK/dV kernel on 64-row tiles: set "
+                             f"gluon_dkdv=True and kv_block_m=64 (got gluon_dkdv={self.gluon_dkdv}, "
+                             f"kv_block_m={self.kv_block_m}), or leave atomic_dq False")
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
@@ -568,6 +577,9 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
     if config is None and (cfg.gluon_dq or cfg.gluon_dkdv) and not gluon:
         # Views the Gluon kernels cannot take: the Triton kernels with their own default tiles.
         cfg = _default_config(D, Dv, q.dtype, True, False, softcap != 0)
+    if cfg.atomic_dq and not pad_dim(D) == pad_dim(Dv) == 64:
+        raise ValueError(f"BwdConfig.atomic_dq needs head dims that pad to 64 (33..64), got D={D}, Dv={Dv}: "
+                         "leave it False for these")
     q_split, dq_meta, kv_split, dkdv_meta = _static_args(D, Dv, q.dtype, cfg, interpreting())
     scale = resolve_scale(softmax_scale, D)
     softcap = float(softcap)
@@ -595,8 +607,11 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
-        ws = _workspace(Hq, Tq, dev)
+        # With atomic_dq the dK/dV kernel adds dQ too, and no dQ kernel runs.
+        atomic = gluon and cfg.atomic_dq
+        # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel (or with atomic_dq
+        # by a launch of its own), read by dK/dV.
+        ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv)) if atomic else _workspace(Hq, Tq, dev)
         has_dlse = dlse is not None
         if not has_dlse:
             dlse = lse  # never read
@@ -643,13 +658,17 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         # A dynamic schedule's counters of taken work items, one per Gluon kernel, zeroed per call.
         dynamic = gluon and cfg.dynamic
         tickets = _tickets(dev) if dynamic else None
-        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
-        for use_gluon, name, grid, args, stages, warps, kv, ticket in (
+        launches = [
             (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v),
-             tickets[0:1] if dynamic else ws),
+             tickets[0:1] if dynamic else ws, ()),
             (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps,
-             (kx, vx), tickets[1:2] if dynamic else ws),
-        ):
+             (kx, vx), tickets[1:2] if dynamic else ws, (ws, False)),
+        ]
+        if atomic:
+            dqa = torch.zeros(Tq, Hq, pad_dim(D), dtype=torch.float32, device=dev)
+            launches = [launches[1][:-1] + ((dqa, True),)]
+        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
+        for use_gluon, name, grid, args, stages, warps, kv, ticket, extra in launches:
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
             if use_gluon:
                 try:
@@ -658,10 +677,10 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
                     # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, ticket_ptr (the workspace
-                    # stands in for a counter the kernel does not touch)
+                    # stands in for a counter the kernel does not touch), and dK/dV's dqa_ptr, HAS_DQ
                     launch(_gluon_kernel(name), gluon_grid,
-                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive, ticket),
-                           num_warps=4, maxnreg=WS_MAXNREG)
+                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive, ticket)
+                           + extra, num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
                     if config is not None:
@@ -674,6 +693,8 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             # on every run.
             dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
             dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
+        if atomic:
+            dq.copy_(dqa[..., :D] * scale)
     return dq, dk, dv
 
 

@@ -54,7 +54,7 @@ from .common import (
     store_head_rows,
 )
 
-__all__ = ["fused_backward", "MAX_SPINS_GPU"]
+__all__ = ["fused_backward", "row_workspace", "MAX_SPINS_GPU"]
 
 # Polls of a turn counter before a wait counts as an error: seconds on a GPU, where a correct turn
 # waits at most for a few earlier key tiles' walks (milliseconds). The interpreter runs programs one
@@ -227,6 +227,23 @@ def _bwd_rows_kernel(
     tl.store(ws_ptr + (Hq + h) * Tq + offs_m, lse2, mask=mask_m)
 
 
+def row_workspace(dout, out, lse, dlse, block_dv):
+    """The ``(2, Hq, Tq)`` float32 workspace of the rows' ``delta`` (plane 0) and ``lse * log2(e)`` (plane 1),
+    as the two-launch backward's dQ kernel writes it, from one small launch; for the backwards without that
+    kernel. `dout`, `out`: `(Tq, Hq, Dv)` (last dim contiguous); `lse`, `dlse` (or ``None``): `(Tq, Hq)`;
+    ``block_dv``: ``Dv`` padded to a power of two."""
+    Tq, Hq, Dv = out.shape
+    ws = torch.empty(2, Hq, Tq, dtype=torch.float32, device=out.device)
+    has_dlse = dlse is not None
+    dl = dlse if has_dlse else lse  # never read without a dlse
+    so, sdo, sl, sdl = out.stride(), dout.stride(), lse.stride(), dl.stride()
+    rows_m = 64
+    launch(_bwd_rows_kernel, (triton.cdiv(Tq, rows_m), Hq),
+           (dout, out, lse, dl, ws, Tq, Hq, Dv, sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1],
+            has_dlse, rows_m, block_dv), num_warps=4)
+    return ws
+
+
 def fused_backward(dout, q, k, v, out, lse, dlse, plan, scale, softcap, *, block_m, block_n, num_warps,
                    num_stages, dot_precision, bf16_emulated, block_d, block_dv, max_spins):
     """``(dq, dk, dv, error)`` from one key-major launch (after one that writes the rows' delta and scaled lse;
@@ -237,15 +254,8 @@ def fused_backward(dout, q, k, v, out, lse, dlse, plan, scale, softcap, *, block
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     dev = q.device
-    # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each.
-    ws = torch.empty(2, Hq, Tq, dtype=torch.float32, device=dev)
-    has_dlse = dlse is not None
-    dl = dlse if has_dlse else lse  # never read without a dlse
-    so, sdo, sl, sdl = out.stride(), dout.stride(), lse.stride(), dl.stride()
-    rows_m = 64
-    launch(_bwd_rows_kernel, (triton.cdiv(Tq, rows_m), Hq),
-           (dout, out, lse, dl, ws, Tq, Hq, Dv, sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1],
-            has_dlse, rows_m, block_dv), num_warps=4)
+    ws = row_workspace(dout, out, lse, dlse, block_dv)
+    sdo = dout.stride()
     n_row_tiles = triton.cdiv(Tq, block_m)
     dq_acc = torch.zeros(Tq, Hq, block_d, dtype=torch.float32, device=dev)
     counters = torch.zeros(Hq * n_row_tiles + 2, dtype=torch.int32, device=dev)
