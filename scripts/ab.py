@@ -6,7 +6,7 @@
 A variant is ``PACKAGE:CONFIG``. ``PACKAGE`` is ``main`` (the checked-out flashrange) or a name exported by
 ``scripts/ab_export.sh REF NAME`` (carry ``ab``). ``CONFIG`` is ``default``, a forward config's name, or a
 backward config as ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags from
-``dkdv+dq+persistent+dynamic+adaptive+atomic+chunksN`` or ``fused``.
+``dkdv+dq+persistent+dynamic+adaptive+atomic+fixed+chunksN`` or ``fused``.
 
 First, correctness: with ``--fuzz N``, each variant on N random small masks (every type, overlaps, empty
 slices, GQA, softcap) against the float64 reference, failing when its error passes twice the first variant's
@@ -50,13 +50,15 @@ def package(name):
 
 def backward_config(spec, config_cls):
     """``config_cls`` (a ``BwdConfig``) from ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags any of
-    ``dkdv``, ``dq``, ``persistent``, ``dynamic``, ``adaptive``, ``atomic`` (``atomic_dq``), ``fused``,
+    ``dkdv``, ``dq``, ``persistent``, ``dynamic``, ``adaptive``, ``atomic`` (``atomic_dq``), ``fixed``
+    (``fixed_point_dq``), ``fused``,
     ``chunksN`` (``kv_head_chunks=N``) joined by ``+``."""
     parts = spec.split(",")
     flags = set(parts[8].split("+")) if len(parts) > 8 else set()
     chunks = [int(f[len("chunks"):]) for f in flags if f.startswith("chunks")]
     # Only when asked for: an exported earlier flashrange's BwdConfig may not have the field.
-    extra = {name: True for flag, name in (("adaptive", "adaptive"), ("atomic", "atomic_dq")) if flag in flags}
+    extra = {name: True for flag, name in (("adaptive", "adaptive"), ("atomic", "atomic_dq"),
+                                           ("fixed", "fixed_point_dq")) if flag in flags}
     return config_cls(*[int(x) for x in parts[:8]], gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags,
                       persistent="persistent" in flags, dynamic="dynamic" in flags, fused_dq="fused" in flags,
                       kv_head_chunks=chunks[0] if chunks else 1, **extra)

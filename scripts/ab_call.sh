@@ -24,7 +24,8 @@
 #          one against the fixed-share defaults, on documents, a window and dense 8k (launchers, with a fuzz);
 #   host   the host-overhead table (flashrange bench --host);
 #   atomic the twenty-eighth session's BwdConfig.atomic_dq (head dim 64, dQ added by bulk reduce-adds inside the
-#          Gluon dK/dV kernel): its GPU tests, then its A/B against the two-launch default with a fuzz;
+#          Gluon dK/dV kernel, in float32 or with fixed_point_dq in int32): its GPU tests, then its A/B against
+#          the two-launch default with a fuzz;
 #   plan   the plan's cost against an exported variant (ab/$PLAN_AGAINST, e.g. a pending patch exported
 #          with bash scripts/ab_export.sh HEAD NAME <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -45,11 +46,13 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
 if has atomic; then
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_backward.py -k atomic > "$OUT/atomic_tests.log" 2>&1
+  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_gpu_backward.py -k "atomic or fixed_point" \
+    > "$OUT/atomic_tests.log" 2>&1
   echo "atomic tests rc=$?" | tee -a "$OUT/rc.txt"; tail -15 "$OUT/atomic_tests.log"
   ab atomic 300 --fuzz 6 --fuzz-d 64 --bwd main:default \
     --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic" \
-    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+dynamic+atomic" \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic+fixed" \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+dynamic+atomic+fixed" \
     --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,swa2048-32k-d64
 fi
 if has defaults; then

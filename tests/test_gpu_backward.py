@@ -740,32 +740,36 @@ def test_fused_dq_backward_on_the_gpu(D, Dv, tiles):
 # dQ added by bulk reduce-adds inside the Gluon dK/dV kernel (BwdConfig.atomic_dq, opt-in, head dim 64)
 
 
-def _atomic_pair(dynamic, chunks=1):
-    """The head-dim-64 Gluon config with and without ``atomic_dq`` (the same dK/dV tiles and schedule)."""
+def _atomic_pair(dynamic, chunks=1, fixed=False):
+    """The head-dim-64 Gluon config without and with ``atomic_dq`` (the same dK/dV tiles and schedule)."""
     from flashrange.kernels.backward import BwdConfig
 
     base = dict(gluon_dkdv=True, gluon_dq=True, persistent=True, dynamic=dynamic, kv_head_chunks=chunks)
     return (BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, **base),
-            BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, atomic_dq=True, **base))
+            BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, atomic_dq=True, fixed_point_dq=fixed, **base))
 
 
 ATOMIC_CASES = [
-    pytest.param(64, 64, 0.0, False, 1, id="d64"),
-    pytest.param(64, 64, 0.0, True, 1, id="d64-dynamic"),
-    pytest.param(48, 40, 0.0, False, 1, id="d48-dv40"),
-    pytest.param(64, 64, 20.0, False, 1, id="d64-softcap"),
-    pytest.param(64, 64, 0.0, False, 2, id="d64-2-chunks"),
+    pytest.param(64, 64, 0.0, False, 1, False, id="d64"),
+    pytest.param(64, 64, 0.0, True, 1, False, id="d64-dynamic"),
+    pytest.param(48, 40, 0.0, False, 1, False, id="d48-dv40"),
+    pytest.param(64, 64, 20.0, False, 1, False, id="d64-softcap"),
+    pytest.param(64, 64, 0.0, False, 2, False, id="d64-2-chunks"),
+    pytest.param(64, 64, 0.0, False, 1, True, id="d64-fixed"),
+    pytest.param(64, 64, 0.0, True, 1, True, id="d64-dynamic-fixed"),
+    pytest.param(48, 40, 20.0, False, 2, True, id="d48-dv40-softcap-2-chunks-fixed"),
 ]
+_NEEDS_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                   reason="the Gluon kernels need compute capability 9")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the Gluon kernels need compute capability 9")
-@pytest.mark.parametrize("D, Dv, softcap, dynamic, chunks", ATOMIC_CASES)
-def test_atomic_dq_backward_on_hopper(D, Dv, softcap, dynamic, chunks):
+@_NEEDS_HOPPER
+@pytest.mark.parametrize("D, Dv, softcap, dynamic, chunks, fixed", ATOMIC_CASES)
+def test_atomic_dq_backward_on_hopper(D, Dv, softcap, dynamic, chunks, fixed):
     """dQ within the three-way budget of the float64 reference on a mask of documents, long, reversed and short
     slices, overlaps and uncovered rows; dK and dV bitwise those of the two-launch backward of the same tiles
     (only dQ's path changes); dQ within a few bf16 roundings of the two-launch dQ."""
-    default, atomic = _atomic_pair(dynamic, chunks)
+    default, atomic = _atomic_pair(dynamic, chunks, fixed)
     T = 3001
     rows = (_docs(T - 200, 17, 4) + [(100, 2000, 50, 1900, FULL), (2000, 2801, 2000, 2700, INV_CAUSAL),
                                      (0, T - 200, 0, T, CAUSAL)]
@@ -778,12 +782,13 @@ def test_atomic_dq_backward_on_hopper(D, Dv, softcap, dynamic, chunks):
     assert (dq.float() - dq0.float()).abs().max() <= 0.02 * dq0.float().abs().max()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the Gluon kernels need compute capability 9")
-def test_atomic_dq_keeps_nan_of_unread_tokens_out():
+@_NEEDS_HOPPER
+@pytest.mark.parametrize("fixed", [False, True], ids=["float", "fixed"])
+def test_atomic_dq_keeps_nan_of_unread_tokens_out(fixed):
     """Tokens no slice reads hold NaN in q, k, v and dO (keys inside a key block that other slices read, so
-    the dQ matmul meets them): every gradient stays finite, uncovered rows' dQ and unread keys' dK, dV zero."""
-    _, atomic = _atomic_pair(False)
+    the dQ matmul meets them; with fixed point also outside the bound on the read keys): every gradient
+    stays finite, uncovered rows' dQ and unread keys' dK, dV zero."""
+    _, atomic = _atomic_pair(False, fixed=fixed)
     T, Hq, Hkv, D = 1000, 4, 2, 64
     rows = [(0, 300, 0, 300, CAUSAL), (300, 600, 340, 600, FULL), (650, 900, 610, 900, CAUSAL),
             (900, 960, 0, 50, FULL)]
@@ -802,6 +807,24 @@ def test_atomic_dq_keeps_nan_of_unread_tokens_out():
     for g in (dq, dk, dv):
         assert torch.isfinite(g).all()
     assert (dq[~read_rows] == 0).all() and (dk[~read_keys] == 0).all() and (dv[~read_keys] == 0).all()
+
+
+@_NEEDS_HOPPER
+def test_fixed_point_dq_is_bitwise_rerun_and_order_invariant():
+    """With fixed_point_dq the reduce-adds are integer adds: five reruns, a shuffled slice order and empty
+    slices inserted all give the same bits of dQ, dK and dV (hundreds of programs adding at once)."""
+    _, fixed = _atomic_pair(True, fixed=True)
+    T, Hq, Hkv, D = 4099, 8, 2, 64
+    rows = _docs(T, 23, 6) + [(0, T, 0, T, CAUSAL), (500, 3000, 200, 2500, FULL)]
+    q, k, v, do, dlse = _inputs(T, T, Hq, Hkv, D, D, torch.bfloat16, 9)
+    qr, kr, mt = _ranges(rows)
+    out, lse = reference.range_attention_forward(q, k, v, qr, kr, mt)
+    first = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=fixed)
+    shuffled, padded = shuffled_and_padded(rows, random.Random(2), 7)
+    for order in [rows] * 4 + [shuffled, padded]:
+        qr, kr, mt = _ranges(order)
+        again = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, 0.0, dlse, config=fixed)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -414,6 +414,10 @@ class BwdConfig:
     # run to run, so dQ's last bits may differ between identical calls (docs/design.md, "dQ by reduce-adds").
     # Needs gluon_dkdv and kv_block_m=64; calls the Gluon kernel cannot take run the two-launch backward.
     atomic_dq: bool = False
+    # With atomic_dq: the adds in 32-bit fixed point, each row scaled by a power of two from a bound on its dQ
+    # (backward_fused.row_workspace). Integer adds give the same sum in any order: deterministic and invariant
+    # to slice order and empty slices again, with dQ's bits those of this config (docs/design.md).
+    fixed_point_dq: bool = False
     # The query heads of each GQA group split into this many chunks for the dK/dV kernel: each chunk is a work
     # item of its own (more items when key blocks x KV heads are few, as with one KV head at short T), its
     # heads summed into float32 partial dK/dV that one fixed-shape reduction adds afterwards. Must divide the
@@ -423,7 +427,8 @@ class BwdConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq", "atomic_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq", "atomic_dq",
+                          "fixed_point_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -447,6 +452,9 @@ class BwdConfig:
             raise ValueError("BwdConfig.atomic_dq adds dQ inside the Gluon dK/dV kernel on 64-row tiles: set "
                              f"gluon_dkdv=True and kv_block_m=64 (got gluon_dkdv={self.gluon_dkdv}, "
                              f"kv_block_m={self.kv_block_m}), or leave atomic_dq False")
+        if self.fixed_point_dq and not self.atomic_dq:
+            raise ValueError("BwdConfig.fixed_point_dq sets how atomic_dq adds: set atomic_dq too, or leave "
+                             "fixed_point_dq False")
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
@@ -564,6 +572,9 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                              short_slices=has_short_slices(Tq, Tk, mask_types.shape[0]))
     elif isinstance(config, BwdConfig):
         cfg = config
+        if cfg.atomic_dq and not pad_dim(D) == pad_dim(Dv) == 64:
+            raise ValueError(f"BwdConfig.atomic_dq needs head dims that pad to 64 (33 to 64), got D={D}, Dv={Dv}: "
+                             "leave it False for these")
         device_index = q.device.index if q.device.type == "cuda" else None
         if (cfg.gluon_dkdv or cfg.gluon_dq) and not _has_gluon_sm90(device_index):
             raise ValueError(
@@ -577,9 +588,6 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
     if config is None and (cfg.gluon_dq or cfg.gluon_dkdv) and not gluon:
         # Views the Gluon kernels cannot take: the Triton kernels with their own default tiles.
         cfg = _default_config(D, Dv, q.dtype, True, False, softcap != 0)
-    if cfg.atomic_dq and not pad_dim(D) == pad_dim(Dv) == 64:
-        raise ValueError(f"BwdConfig.atomic_dq needs head dims that pad to 64 (33..64), got D={D}, Dv={Dv}: "
-                         "leave it False for these")
     q_split, dq_meta, kv_split, dkdv_meta = _static_args(D, Dv, q.dtype, cfg, interpreting())
     scale = resolve_scale(softmax_scale, D)
     softcap = float(softcap)
@@ -609,9 +617,13 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         # With atomic_dq the dK/dV kernel adds dQ too, and no dQ kernel runs.
         atomic = gluon and cfg.atomic_dq
+        fixed = atomic and cfg.fixed_point_dq
         # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel (or with atomic_dq
-        # by a launch of its own), read by dK/dV.
-        ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv)) if atomic else _workspace(Hq, Tq, dev)
+        # by a launch of its own, with fixed_point_dq plus each row's fixed-point scale), read by dK/dV.
+        if atomic:
+            ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv), _read_key_bound(k, v, k_ranges) if fixed else None)
+        else:
+            ws = _workspace(Hq, Tq, dev)
         has_dlse = dlse is not None
         if not has_dlse:
             dlse = lse  # never read
@@ -665,7 +677,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
              (kx, vx), tickets[1:2] if dynamic else ws, (ws, False)),
         ]
         if atomic:
-            dqa = torch.zeros(Tq, Hq, pad_dim(D), dtype=torch.float32, device=dev)
+            dqa = torch.zeros(Tq, Hq, pad_dim(D), dtype=torch.int32 if fixed else torch.float32, device=dev)
             launches = [launches[1][:-1] + ((dqa, True),)]
         # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
         for use_gluon, name, grid, args, stages, warps, kv, ticket, extra in launches:
@@ -693,9 +705,29 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             # on every run.
             dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
             dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
-        if atomic:
+        if fixed:
+            dq.copy_(dqa[..., :D] / ws[2].t().unsqueeze(-1) * scale)
+        elif atomic:
             dq.copy_(dqa[..., :D] * scale)
     return dq, dk, dv
+
+
+def _read_key_bound(k, v, k_ranges):
+    """``(2, Hkv)`` float32: per key/value head the largest ``|k|`` element and the largest row norm of ``v``
+    over the keys that some slice reads (every key of a slice's range is read by one of its rows; a slice
+    with an empty query range still counts, which only loosens the bound). Tokens no slice reads may hold
+    anything, NaN included, and do not count. Torch ops on the device, no host sync."""
+    Tk = k.shape[0]
+    ks = k_ranges[:, 0].clamp(0, Tk).long()
+    ke = k_ranges[:, 1].clamp(0, Tk).long()
+    weight = (ke > ks).to(torch.int32)
+    # +1 where a range starts, -1 where it ends: the keys inside some range have a positive running sum.
+    edges = torch.zeros(Tk + 1, dtype=torch.int32, device=k.device)
+    edges.index_add_(0, ks, weight).index_add_(0, ke, -weight)
+    read = (edges[:-1].cumsum(0) > 0).unsqueeze(1)
+    k_max = torch.where(read, k.abs().amax(2).float(), 0.0).amax(0)
+    v_max = torch.where(read, torch.linalg.vector_norm(v.float(), dim=2), 0.0).amax(0)
+    return torch.stack((k_max, v_max))
 
 
 def _tickets(dev):

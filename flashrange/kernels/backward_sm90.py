@@ -305,13 +305,20 @@ def _dq_matmul(dq_smem, k_smem, cur, mma_q: gl.constexpr):
 
 
 @gluon.jit
-def _add_dq(dq, dqa_desc, dq_smem, r, h, J: gl.constexpr):
-    """Add tile's dQ (rows from ``r``, head ``h``) to the float32 accumulator: staged in this warpgroup's buffer
-    (once the reduce-add it staged two tiles back has read it), then one bulk reduce-add. Rows past the
-    slice add zeros (their dS is zero); rows past ``Tq`` fall outside the descriptor."""
+def _add_dq(dq, dqa_desc, dq_smem, ws_ptr, Tq, Hq, r, h, J: gl.constexpr):
+    """Add tile's dQ (rows from ``r``, head ``h``) to the accumulator: staged in this warpgroup's buffer (once
+    the reduce-add it staged two tiles back has read it), then one bulk reduce-add. Rows past the slice add
+    zeros (their dS is zero); rows past ``Tq`` fall outside the descriptor. An int32 accumulator holds dQ in
+    fixed point, each row scaled by the power of two of the workspace's third plane (integer adds: the same
+    sum in any order)."""
     ds_t, stage, ds_sync = dq_smem
     CHUNKS: gl.constexpr = dq.shape[1] // 32
     buf = stage.index(J)
+    if buf.dtype == gl.int32:
+        rows = r + gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, dq.type.layout))
+        mult = gl.load(ws_ptr + (2 * Hq + h) * Tq + rows, mask=rows < Tq, other=1.0)
+        # Truncated toward zero: a fixed rounding of each tile's value.
+        dq = (dq * gl.expand_dims(mult, 1)).to(gl.int32)
     tma.store_wait(0)
     cta_barrier()
     buf.store(gl.reshape(dq, [dq.shape[0], CHUNKS, 32]))
@@ -483,7 +490,7 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
                         dv, dk, pt_op, dst_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op, dq))
                         mbarrier.arrive(empty.index(p_slot), count=1)
                         mbarrier.arrive(dq_smem[2].index(2 + p_cur % 2), count=1)
-                        _add_dq(dq, dqa_desc, dq_smem, p_r, p_h, J)
+                        _add_dq(dq, dqa_desc, dq_smem, ws_ptr, Tq, Hq, p_r, p_h, J)
                     else:
                         dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
                         dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
@@ -537,7 +544,7 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
                 dq = _dq_matmul(dq_smem, k_smem, p_cur, mma_q)
                 dv, dk, pt_op, dst_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op, dq))
                 mbarrier.arrive(dq_smem[2].index(2 + p_cur % 2), count=1)
-                _add_dq(dq, dqa_desc, dq_smem, p_r, p_h, J)
+                _add_dq(dq, dqa_desc, dq_smem, ws_ptr, Tq, Hq, p_r, p_h, J)
             else:
                 dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
                 dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
@@ -626,7 +633,8 @@ def bwd_dkdv_sm90_kernel(
     zeroed counter, sm90_common.take_item; untouched otherwise), ``IS_ADAPTIVE`` (with ``IS_DYNAMIC``: the
     counter only when the mask's heaviest slice is short, sm90_common.takes_tickets), and with ``HAS_DQ`` a
     zeroed float32 ``(Tq, Hq, BLOCK_D)`` accumulator ``dqa_ptr`` to which each tile adds its ``dS K``
-    (``_consume_dkdv_work``; the workspace must be written first); launched with 4 warps
+    (``_consume_dkdv_work``; the workspace must be written first), or an int32 one that takes it in fixed
+    point (the workspace's third plane, ``backward_fused.row_workspace``); launched with 4 warps
     (the first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
     grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -664,7 +672,7 @@ def bwd_dkdv_sm90_kernel(
         ds_t = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M],
                                          gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_M * 2, 128),
                                                               element_bitwidth=16))
-        stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D // 32, 32], _STAGE_LAYOUT)
+        stage = gl.allocate_shared_memory(dqa_ptr.dtype.element_ty, [2, BLOCK_M, BLOCK_D // 32, 32], _STAGE_LAYOUT)
         ds_sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_sync.index(i), count=2)
