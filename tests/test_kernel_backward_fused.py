@@ -143,3 +143,68 @@ def test_fused_equals_the_two_kernel_backward(Tq, Tk, rows):
         assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     if all(qe <= qs or ke <= ks for qs, qe, ks, ke, _ in rows):
         assert not any(g.any() for g in fused)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fixed-point scale of BwdConfig.fixed_point_dq: the bound over the read keys and the rows' powers of two
+
+
+def test_read_key_bound_counts_only_read_keys():
+    """Per KV head the largest |k| element and v row norm over the keys of non-empty key ranges: NaN and huge
+    values in other keys, empty slices and a range past the tensor do not count."""
+    from flashrange.kernels.backward import read_key_bound
+
+    T, Hkv, D = 50, 3, 16
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(T, Hkv, D, generator=g).bfloat16()
+    v = torch.randn(T, Hkv, D, generator=g).bfloat16()
+    ranges = [(3, 9), (7, 12), (30, 31), (40, 40), (20, 10), (45, 80)]
+    read = [False] * T
+    for ks, ke in ranges:
+        for j in range(max(ks, 0), min(ke, T)):
+            read[j] = True
+    for j in range(T):
+        if not read[j]:
+            k[j] = float("nan") if j % 2 else 1e30
+            v[j] = float("nan") if j % 2 else 1e30
+    kr = torch.tensor(ranges, dtype=torch.int32)
+    got = read_key_bound(k, v, kr)
+    for h in range(Hkv):
+        rows = [j for j in range(T) if read[j]]
+        want_k = max(float(k[j, h].float().abs().max()) for j in rows)
+        want_v = max(float(v[j, h].double().norm()) for j in rows)
+        assert got[0, h].item() == want_k
+        assert got[1, h].item() == pytest.approx(want_v, rel=1e-6)
+
+
+def test_row_workspace_fixed_point_scale():
+    """The third plane: on covered rows the power of two m with m * bound in [2**29, 2**30), the bound
+    2 (|dO_i| vmax + |delta_i|) kmax of the row's KV head (GQA: 2 query heads per KV head); 1 on uncovered
+    rows; NaN on a covered row whose dO holds an inf. Planes 0 and 1 as without the bound."""
+    from flashrange.kernels.backward_fused import row_workspace
+
+    Tq, Hq, Dv = 70, 4, 24
+    g = torch.Generator().manual_seed(7)
+    dout = torch.randn(Tq, Hq, Dv, generator=g).bfloat16() * 3
+    out = torch.randn(Tq, Hq, Dv, generator=g).bfloat16()
+    lse = torch.randn(Tq, Hq, generator=g)
+    lse[5:9] = float("-inf")
+    dlse = torch.randn(Tq, Hq, generator=g)
+    dout[60, 1, 3] = float("inf")
+    kv_bound = torch.tensor([[1.5, 0.25], [7.0, 3.0]])
+    plain = row_workspace(dout, out, lse, dlse, 32)
+    ws = row_workspace(dout, out, lse, dlse, 32, kv_bound)
+    assert torch.equal(ws[:2], plain)
+    delta = (dout.double() * out.double()).sum(-1) - dlse.double()
+    for h in range(Hq):
+        kmax, vmax = kv_bound[0, h // 2].item(), kv_bound[1, h // 2].item()
+        for i in range(Tq):
+            m = ws[2, h, i].item()
+            if lse[i, h] == float("-inf"):
+                assert m == 1.0
+            elif (i, h) == (60, 1):
+                assert m != m
+            else:
+                bound = 2 * (dout[i, h].double().norm().item() * vmax + abs(delta[i, h].item())) * kmax
+                assert m == 2.0 ** round(torch.log2(torch.tensor(m)).item())
+                assert 2**29 <= m * bound < 2**30 * (1 + 1e-6)

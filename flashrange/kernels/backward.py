@@ -621,7 +621,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel (or with atomic_dq
         # by a launch of its own, with fixed_point_dq plus each row's fixed-point scale), read by dK/dV.
         if atomic:
-            ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv), _read_key_bound(k, v, k_ranges) if fixed else None)
+            ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv), read_key_bound(k, v, k_ranges) if fixed else None)
         else:
             ws = _workspace(Hq, Tq, dev)
         has_dlse = dlse is not None
@@ -712,7 +712,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
     return dq, dk, dv
 
 
-def _read_key_bound(k, v, k_ranges):
+def read_key_bound(k, v, k_ranges):
     """``(2, Hkv)`` float32: per key/value head the largest ``|k|`` element and the largest row norm of ``v``
     over the keys that some slice reads (every key of a slice's range is read by one of its rows; a slice
     with an empty query range still counts, which only loosens the bound). Tokens no slice reads may hold
