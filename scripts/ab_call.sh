@@ -5,8 +5,9 @@
 # dynamic for short slots); the twenty-sixth ran the defaults step on an H100 (BENCHMARKS.md); the
 # twenty-seventh ran d64 (and made head dim 64 take the same schedules: forward sm90pppma for every mask,
 # backward dynamic for short slots), fbgap with profile_call.py --variants (the GPU's clock, not the call),
-# host, and the GPU tests left over. Not run on a GPU yet: an H200 bar table (none has been lent since the
-# sixteenth session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
+# host, and the GPU tests left over. The twenty-eighth got no GPU and left the atomic step (first). Not run on a
+# GPU yet: that step, an H200 bar table (none has been lent since the sixteenth session), and the whole GPU
+# suite on this tree in one go (its parts passed across sessions).
 #   defaults  first: the shape-chosen defaults' GPU tests, then their A/B against the fixed defaults of
 #          a937242 through the launchers (bash scripts/ab_export.sh a937242 prev, carry "ab");
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
@@ -46,16 +47,15 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
 if has atomic; then
-  # (Trimmed to the few minutes of device time the twenty-eighth session had left after refused starts.)
-  timeout 100 python -m pytest -q -p no:cacheprovider \
-    "tests/test_gpu_backward.py::test_atomic_dq_backward_on_hopper[d64]" \
-    "tests/test_gpu_backward.py::test_atomic_dq_backward_on_hopper[d64-fixed]" \
-    tests/test_gpu_backward.py::test_fixed_point_dq_is_bitwise_rerun_and_order_invariant > "$OUT/atomic_tests.log" 2>&1
+  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_gpu_backward.py -k "atomic or fixed_point" \
+    > "$OUT/atomic_tests.log" 2>&1
   echo "atomic tests rc=$?" | tee -a "$OUT/rc.txt"; tail -15 "$OUT/atomic_tests.log"
-  ab atomic 150 --fuzz 1 --fuzz-d 64 --reps 5 --bwd main:default \
+  # The default takes the dynamic schedule on documents (short slots): so does the last variant.
+  ab atomic 300 --fuzz 4 --fuzz-d 64 --bwd main:default \
     --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic" \
     --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic+fixed" \
-    --cases full-8k-d64,causal-8k-d64,doc16-32k-d64
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+dynamic+atomic+fixed" \
+    --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,swa2048-32k-d64
 fi
 if has defaults; then
   # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
