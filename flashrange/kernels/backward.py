@@ -19,7 +19,10 @@ Two launches, no atomics, so every gradient is bitwise reproducible:
 
 ``BwdConfig(fused_dq=True)`` replaces both by one key-major launch that also
 accumulates dQ, its adds taking turns in a fixed order
-(:mod:`flashrange.kernels.backward_fused`).
+(:mod:`flashrange.kernels.backward_fused`). On Hopper at head dim 64,
+``BwdConfig(atomic_dq=True)`` has the Gluon dK/dV kernel add dQ by bulk
+reduce-adds after a small launch writes the workspace: opt-in, and not
+deterministic unless ``fixed_point_dq`` makes the adds integer ones.
 
 Each slice is processed on its own (a cell covered twice counts twice). Along
 the walked axis the tiles of one slice are laid out around the run of tiles
@@ -544,7 +547,9 @@ def range_attention_backward_triton(
     `q, k, v`. Deterministic (no atomics), no host synchronisation, two kernel
     launches (dQ, then dK/dV), extra memory O((Tq + Tk) * H + S); with
     ``config.fused_dq``, one launch that also accumulates dQ in turns
-    (:mod:`flashrange.kernels.backward_fused`: deterministic too, O(Tq * H * D) more memory). `plan`: the
+    (:mod:`flashrange.kernels.backward_fused`: deterministic too, O(Tq * H * D) more memory); with
+    ``config.atomic_dq`` (Hopper, head dim 64) the dK/dV kernel adds dQ by reduce-adds into an
+    O(Tq * H * D) accumulator, deterministic only with ``config.fixed_point_dq``. `plan`: the
     mask's :class:`~flashrange.plan.RangePlan` (the forward's; built here when
     ``None``). `config` overrides :func:`default_config`.
     """

@@ -36,6 +36,11 @@ warpgroups each own half of the program's block, with registers split
   matmuls), and ``P`` and ``dS`` go through shared memory, read transposed by
   the dV and dK matmuls.
   Each key's sums over rows run in the same order either way: the same bits.
+  With ``HAS_DQ`` (``BwdConfig.atomic_dq``, head dim 64, held by keys) the
+  kernel computes dQ too: per tile, the warpgroup of the tile's parity
+  multiplies both warpgroups' ``dS`` (through shared memory) by K and adds the
+  result to a float32 or fixed-point int32 accumulator by one TMA bulk
+  reduce-add; no dQ kernel runs.
 - dQ: a program owns ``BLOCK_M`` query rows of one head; the producer loads
   its q halves once, then each slice's K/V tiles, with descriptors ending at
   the slice's last key; dO and O come through pointer loads so that rows no
