@@ -26,12 +26,12 @@ from __future__ import annotations
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import _unwrap_if_constexpr, builtin
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "next_item",
            "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
-           "smem_reinterpret", "take_item", "takes_tickets", "tma_load", "tma_reduce_add", "wait_halves_free", "wait_tiles_landed"]
+           "take_item", "takes_tickets", "tma_load", "tma_reduce_add", "wait_halves_free", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -42,8 +42,9 @@ cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """A bulk float add of shared memory ``src`` into the box of ``tensor_desc`` at ``coord`` (one
-    ``cp.reduce.async.bulk.tensor``, waited for as a TMA store is). Triton 3.6's Gluon has no wrapper for
+    """A bulk add of shared memory ``src`` into the box of ``tensor_desc`` at ``coord`` (one
+    ``cp.reduce.async.bulk.tensor``, float or integer by the descriptor's element type, waited for as a TMA
+    store is). Triton 3.6's Gluon has no wrapper for
     it; its IR builder has the op that later releases wrap as ``tma.async_atomic_add``."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     kind = ir.DESCRIPTOR_REDUCE_KIND.ADD
@@ -51,14 +52,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
-
-
-@builtin
-def smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
-    """Shared memory ``buf`` seen with another dtype, shape and layout (the method is ``_reinterpret`` up to
-    Triton 3.6, ``reinterpret`` later)."""
-    shape = [_unwrap_if_constexpr(x) for x in shape]
-    return _semantic.memdesc_reinterpret(buf, _unwrap_if_constexpr(dtype), shape, _unwrap_if_constexpr(layout))
 
 
 @gluon.jit
