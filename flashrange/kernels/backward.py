@@ -675,16 +675,16 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         # A dynamic schedule's counters of taken work items, one per Gluon kernel, zeroed per call.
         dynamic = gluon and cfg.dynamic
         tickets = _tickets(dev) if dynamic else None
-        launches = [
+        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one). With atomic_dq
+        # only dK/dV runs, adding dQ to its accumulator (the Gluon kernel's dqa_ptr, HAS_DQ).
+        launches = [] if atomic else [
             (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v),
-             tickets[0:1] if dynamic else ws, ()),
-            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps,
-             (kx, vx), tickets[1:2] if dynamic else ws, (ws, False)),
-        ]
+             tickets[0:1] if dynamic else ws, ())]
         if atomic:
             dqa = torch.zeros(Tq, Hq, pad_dim(D), dtype=torch.int32 if fixed else torch.float32, device=dev)
-            launches = [launches[1][:-1] + ((dqa, True),)]
-        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
+        dkdv_extra = (dqa, True) if atomic else (ws, False)
+        launches.append((gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages,
+                         cfg.kv_warps, (kx, vx), tickets[1:2] if dynamic else ws, dkdv_extra))
         for use_gluon, name, grid, args, stages, warps, kv, ticket, extra in launches:
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
             if use_gluon:
