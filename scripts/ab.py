@@ -52,7 +52,9 @@ def backward_config(spec, config_cls):
     """``config_cls`` (a ``BwdConfig``) from ``kv_m,kv_n,kv_w,kv_s,q_m,q_n,q_w,q_s[,flags]``, flags any of
     ``dkdv``, ``dq``, ``persistent``, ``dynamic``, ``adaptive``, ``atomic`` (``atomic_dq``), ``fixed``
     (``fixed_point_dq``), ``fused``,
-    ``chunksN`` (``kv_head_chunks=N``) joined by ``+``."""
+    ``chunksN`` (``kv_head_chunks=N``) joined by ``+``. ``atomic`` and ``fixed`` name fields that only an
+    export of 86d768d or earlier (back to 0b7ae86) has: the five-matmul backward at head dim 64, removed
+    after its timings (BENCHMARKS.md, twenty-ninth session)."""
     parts = spec.split(",")
     flags = set(parts[8].split("+")) if len(parts) > 8 else set()
     chunks = [int(f[len("chunks"):]) for f in flags if f.startswith("chunks")]

@@ -5,9 +5,8 @@
 # dynamic for short slots); the twenty-sixth ran the defaults step on an H100 (BENCHMARKS.md); the
 # twenty-seventh ran d64 (and made head dim 64 take the same schedules: forward sm90pppma for every mask,
 # backward dynamic for short slots), fbgap with profile_call.py --variants (the GPU's clock, not the call),
-# host, and the GPU tests left over. The twenty-eighth got no GPU and left the atomic step (first). Not run on a
-# GPU yet: that step, an H200 bar table (none has been lent since the sixteenth session), and the whole GPU
-# suite on this tree in one go (its parts passed across sessions).
+# host, and the GPU tests left over. Not run on a GPU yet: an H200 bar table (none has been lent since the
+# sixteenth session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
 #   defaults  first: the shape-chosen defaults' GPU tests, then their A/B against the fixed defaults of
 #          a937242 through the launchers (bash scripts/ab_export.sh a937242 prev, carry "ab");
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
@@ -24,9 +23,6 @@
 #   d64    head dim 64: the forward's adaptive, split-barrier and dynamic schedules and the backward's dynamic
 #          one against the fixed-share defaults, on documents, a window and dense 8k (launchers, with a fuzz);
 #   host   the host-overhead table (flashrange bench --host);
-#   atomic the twenty-eighth session's BwdConfig.atomic_dq (head dim 64, dQ added by bulk reduce-adds inside the
-#          Gluon dK/dV kernel, in float32 or with fixed_point_dq in int32): its GPU tests, then its A/B against
-#          the two-launch default with a fuzz;
 #   plan   the plan's cost against an exported variant (ab/$PLAN_AGAINST, e.g. a pending patch exported
 #          with bash scripts/ab_export.sh HEAD NAME <patch>).
 # The most needed first, as device time may run out mid-call; STEPS picks (e.g. STEPS="tests fwd").
@@ -42,21 +38,10 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-STEPS="${STEPS:-atomic}"
+STEPS="${STEPS:-defaults fwd bwd}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
-if has atomic; then
-  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_gpu_backward.py -k "atomic or fixed_point" \
-    > "$OUT/atomic_tests.log" 2>&1
-  echo "atomic tests rc=$?" | tee -a "$OUT/rc.txt"; tail -15 "$OUT/atomic_tests.log"
-  # The default takes the dynamic schedule on documents (short slots): so does the last variant.
-  ab atomic 300 --fuzz 4 --fuzz-d 64 --bwd main:default \
-    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic" \
-    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+atomic+fixed" \
-    --bwd "main:64,128,8,3,128,128,8,3,dkdv+persistent+dynamic+atomic+fixed" \
-    --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,swa2048-32k-d64
-fi
 if has defaults; then
   # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
   # launchers (export the old defaults first: bash scripts/ab_export.sh a937242 prev), after their GPU tests.

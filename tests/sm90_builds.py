@@ -249,14 +249,6 @@ def backward_builds():
               ("d64-fp16-softcap-dlse-adaptive-gluon", 64, 64, torch.float16, 20.0, True, False,
                bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
                              dynamic=True, adaptive=True))]
-    # The opt-in dK/dV kernel that also adds dQ by bulk reduce-adds (BwdConfig.atomic_dq, head dim 64), with the
-    # launch that writes its rows' workspace.
-    cases += [("d64-bf16-dlse-atomic-gluon", 64, 64, torch.bfloat16, 0.0, True, False,
-               bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
-                             atomic_dq=True)),
-              ("d48-fp16-softcap-dynamic-atomic-gluon", 48, 40, torch.float16, 20.0, False, False,
-               bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
-                             dynamic=True, atomic_dq=True))]
     for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)

@@ -214,13 +214,6 @@ def test_default_configs_and_config_checks():
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, adaptive=True)
     assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True,
                      adaptive=True).adaptive
-    with pytest.raises(ValueError, match="must be a bool"):
-        BwdConfig(64, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, atomic_dq=1)
-    with pytest.raises(ValueError, match="atomic_dq adds dQ inside the Gluon dK/dV kernel on 64-row tiles"):
-        BwdConfig(64, 128, 4, 1, 128, 64, 4, 1, atomic_dq=True)
-    with pytest.raises(ValueError, match="kv_block_m=64"):
-        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, atomic_dq=True)
-    assert BwdConfig(64, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, atomic_dq=True).atomic_dq
 
 
 def test_hopper_backward_refused_off_hopper():
@@ -235,13 +228,6 @@ def test_hopper_backward_refused_off_hopper():
     forced = BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, gluon_dq=True)
     with pytest.raises(ValueError, match="compute-capability-9 GPU"):
         range_attention_backward_triton(q, q, k, v, q, torch.zeros(40, 2), qr, kr, mt, config=forced)
-    atomic = BwdConfig(64, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, atomic_dq=True)
-    with pytest.raises(ValueError, match="compute-capability-9 GPU"):
-        range_attention_backward_triton(q, q, k, v, q, torch.zeros(40, 2), qr, kr, mt, config=atomic)
-    wide, kv_wide = torch.randn(40, 2, 128).bfloat16(), torch.randn(40, 1, 128).bfloat16()
-    with pytest.raises(ValueError, match="atomic_dq needs head dims that pad to 64"):
-        range_attention_backward_triton(wide, wide, kv_wide, kv_wide, wide, torch.zeros(40, 2), qr, kr, mt,
-                                        config=atomic)
 
 
 def test_bad_shapes_raise():

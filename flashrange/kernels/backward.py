@@ -19,10 +19,7 @@ Two launches, no atomics, so every gradient is bitwise reproducible:
 
 ``BwdConfig(fused_dq=True)`` replaces both by one key-major launch that also
 accumulates dQ, its adds taking turns in a fixed order
-(:mod:`flashrange.kernels.backward_fused`). On Hopper at head dim 64,
-``BwdConfig(atomic_dq=True)`` has the Gluon dK/dV kernel add dQ by bulk
-reduce-adds after a small launch writes the workspace: opt-in, and not
-deterministic unless ``fixed_point_dq`` makes the adds integer ones.
+(:mod:`flashrange.kernels.backward_fused`).
 
 Each slice is processed on its own (a cell covered twice counts twice). Along
 the walked axis the tiles of one slice are laid out around the run of tiles
@@ -73,7 +70,7 @@ from .common import (
     tma_aligned,
     warn_gluon_fallback,
 )
-from .backward_fused import MAX_SPINS_GPU, fused_backward, row_workspace
+from .backward_fused import MAX_SPINS_GPU, fused_backward
 from .plan import build_plan
 
 __all__ = ["range_attention_backward_triton", "BwdConfig", "default_config"]
@@ -412,15 +409,6 @@ class BwdConfig:
     # H200, BENCHMARKS.md); takes the dK/dV fields' tiles (kv_block_m rows, kv_block_n keys) and none of
     # the dQ fields.
     fused_dq: bool = False
-    # Opt-in and NOT deterministic: the Gluon dK/dV kernel at padded head dim 64 also computes dQ (five matmuls
-    # per tile, no dQ kernel) and adds it to a float32 accumulator with bulk reduce-adds whose order varies from
-    # run to run, so dQ's last bits may differ between identical calls (docs/design.md, "dQ by reduce-adds").
-    # Needs gluon_dkdv and kv_block_m=64; calls the Gluon kernel cannot take run the two-launch backward.
-    atomic_dq: bool = False
-    # With atomic_dq: the adds in 32-bit fixed point, each row scaled by a power of two from a bound on its dQ
-    # (backward_fused.row_workspace). Integer adds give the same sum in any order: deterministic and invariant
-    # to slice order and empty slices again, with dQ's bits those of this config (docs/design.md).
-    fixed_point_dq: bool = False
     # The query heads of each GQA group split into this many chunks for the dK/dV kernel: each chunk is a work
     # item of its own (more items when key blocks x KV heads are few, as with one KV head at short T), its
     # heads summed into float32 partial dK/dV that one fixed-shape reduction adds afterwards. Must divide the
@@ -430,8 +418,7 @@ class BwdConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq", "atomic_dq",
-                          "fixed_point_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -451,13 +438,6 @@ class BwdConfig:
         if self.fused_dq and self.kv_head_chunks != 1:
             raise ValueError("BwdConfig.kv_head_chunks applies to the dK/dV kernel of the two-launch backward: "
                              "leave it 1 with fused_dq")
-        if self.atomic_dq and not (self.gluon_dkdv and self.kv_block_m == 64):
-            raise ValueError("BwdConfig.atomic_dq adds dQ inside the Gluon dK/dV kernel on 64-row tiles: set "
-                             f"gluon_dkdv=True and kv_block_m=64 (got gluon_dkdv={self.gluon_dkdv}, "
-                             f"kv_block_m={self.kv_block_m}), or leave atomic_dq False")
-        if self.fixed_point_dq and not self.atomic_dq:
-            raise ValueError("BwdConfig.fixed_point_dq sets how atomic_dq adds: set atomic_dq too, or leave "
-                             "fixed_point_dq False")
         if self.persistent and not (self.gluon_dkdv or self.gluon_dq):
             raise ValueError("BwdConfig.persistent applies to the Gluon kernels only: set gluon_dkdv or gluon_dq "
                              "too, or leave persistent False")
@@ -547,9 +527,7 @@ def range_attention_backward_triton(
     `q, k, v`. Deterministic (no atomics), no host synchronisation, two kernel
     launches (dQ, then dK/dV), extra memory O((Tq + Tk) * H + S); with
     ``config.fused_dq``, one launch that also accumulates dQ in turns
-    (:mod:`flashrange.kernels.backward_fused`: deterministic too, O(Tq * H * D) more memory); with
-    ``config.atomic_dq`` (Hopper, head dim 64) the dK/dV kernel adds dQ by reduce-adds into an
-    O(Tq * H * D) accumulator, deterministic only with ``config.fixed_point_dq``. `plan`: the
+    (:mod:`flashrange.kernels.backward_fused`: deterministic too, O(Tq * H * D) more memory). `plan`: the
     mask's :class:`~flashrange.plan.RangePlan` (the forward's; built here when
     ``None``). `config` overrides :func:`default_config`.
     """
@@ -577,9 +555,6 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                              short_slices=has_short_slices(Tq, Tk, mask_types.shape[0]))
     elif isinstance(config, BwdConfig):
         cfg = config
-        if cfg.atomic_dq and not pad_dim(D) == pad_dim(Dv) == 64:
-            raise ValueError(f"BwdConfig.atomic_dq needs head dims that pad to 64 (33 to 64), got D={D}, Dv={Dv}: "
-                             "leave it False for these")
         device_index = q.device.index if q.device.type == "cuda" else None
         if (cfg.gluon_dkdv or cfg.gluon_dq) and not _has_gluon_sm90(device_index):
             raise ValueError(
@@ -620,15 +595,8 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        # With atomic_dq the dK/dV kernel adds dQ too, and no dQ kernel runs.
-        atomic = gluon and cfg.atomic_dq
-        fixed = atomic and cfg.fixed_point_dq
-        # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel (or with atomic_dq
-        # by a launch of its own, with fixed_point_dq plus each row's fixed-point scale), read by dK/dV.
-        if atomic:
-            ws = row_workspace(dout, out, lse, dlse, pad_dim(Dv), read_key_bound(k, v, k_ranges) if fixed else None)
-        else:
-            ws = _workspace(Hq, Tq, dev)
+        # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each: written by the dQ kernel, read by dK/dV.
+        ws = _workspace(Hq, Tq, dev)
         has_dlse = dlse is not None
         if not has_dlse:
             dlse = lse  # never read
@@ -675,17 +643,13 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
         # A dynamic schedule's counters of taken work items, one per Gluon kernel, zeroed per call.
         dynamic = gluon and cfg.dynamic
         tickets = _tickets(dev) if dynamic else None
-        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one). With atomic_dq
-        # only dK/dV runs, adding dQ to its accumulator (the Gluon kernel's dqa_ptr, HAS_DQ).
-        launches = [] if atomic else [
+        # dQ first: it writes the workspace that dK/dV reads (both kernels write the same one).
+        for use_gluon, name, grid, args, stages, warps, kv, ticket in (
             (gluon and cfg.gluon_dq, "bwd_dq_sm90_kernel", dq_grid, dq_args, cfg.q_stages, cfg.q_warps, (k, v),
-             tickets[0:1] if dynamic else ws, ())]
-        if atomic:
-            dqa = torch.zeros(Tq, Hq, pad_dim(D), dtype=torch.int32 if fixed else torch.float32, device=dev)
-        dkdv_extra = (dqa, True) if atomic else (ws, False)
-        launches.append((gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages,
-                         cfg.kv_warps, (kx, vx), tickets[1:2] if dynamic else ws, dkdv_extra))
-        for use_gluon, name, grid, args, stages, warps, kv, ticket, extra in launches:
+             tickets[0:1] if dynamic else ws),
+            (gluon and cfg.gluon_dkdv, "bwd_dkdv_sm90_kernel", dkdv_grid, dkdv_args, cfg.kv_stages, cfg.kv_warps,
+             (kx, vx), tickets[1:2] if dynamic else ws),
+        ):
             triton_kernel = _bwd_dq_kernel if name == "bwd_dq_sm90_kernel" else _bwd_dkdv_kernel
             if use_gluon:
                 try:
@@ -694,10 +658,10 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
                     # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, ticket_ptr (the workspace
-                    # stands in for a counter the kernel does not touch), and dK/dV's dqa_ptr, HAS_DQ
+                    # stands in for a counter the kernel does not touch)
                     launch(_gluon_kernel(name), gluon_grid,
-                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive, ticket)
-                           + extra, num_warps=4, maxnreg=WS_MAXNREG)
+                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive, ticket),
+                           num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise
                     if config is not None:
@@ -710,29 +674,7 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
             # on every run.
             dk.copy_(dkx.view(Tk, Hkv, chunks, D).sum(2))
             dv.copy_(dvx.view(Tk, Hkv, chunks, Dv).sum(2))
-        if fixed:
-            dq.copy_(dqa[..., :D] / ws[2].t().unsqueeze(-1) * scale)
-        elif atomic:
-            dq.copy_(dqa[..., :D] * scale)
     return dq, dk, dv
-
-
-def read_key_bound(k, v, k_ranges):
-    """``(2, Hkv)`` float32: per key/value head the largest ``|k|`` element and the largest row norm of ``v``
-    over the keys that some slice reads (every key of a slice's range is read by one of its rows; a slice
-    with an empty query range still counts, which only loosens the bound). Tokens no slice reads may hold
-    anything, NaN included, and do not count. Torch ops on the device, no host sync."""
-    Tk = k.shape[0]
-    ks = k_ranges[:, 0].clamp(0, Tk).long()
-    ke = k_ranges[:, 1].clamp(0, Tk).long()
-    weight = (ke > ks).to(torch.int32)
-    # +1 where a range starts, -1 where it ends: the keys inside some range have a positive running sum.
-    edges = torch.zeros(Tk + 1, dtype=torch.int32, device=k.device)
-    edges.index_add_(0, ks, weight).index_add_(0, ke, -weight)
-    read = (edges[:-1].cumsum(0) > 0).unsqueeze(1)
-    k_max = torch.where(read, k.abs().amax(2).float(), 0.0).amax(0)
-    v_max = torch.where(read, torch.linalg.vector_norm(v.float(), dim=2), 0.0).amax(0)
-    return torch.stack((k_max, v_max))
 
 
 def _tickets(dev):

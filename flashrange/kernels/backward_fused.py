@@ -54,7 +54,7 @@ from .common import (
     store_head_rows,
 )
 
-__all__ = ["fused_backward", "row_workspace", "MAX_SPINS_GPU"]
+__all__ = ["fused_backward", "MAX_SPINS_GPU"]
 
 # Polls of a turn counter before a wait counts as an error: seconds on a GPU, where a correct turn
 # waits at most for a few earlier key tiles' walks (milliseconds). The interpreter runs programs one
@@ -201,17 +201,15 @@ def _bwd_fused_kernel(
                     DV, stride_dvt, stride_dvh)
 
 
-@triton.jit(do_not_specialize=["Tq", "Hq", "DV", "G"])
+@triton.jit(do_not_specialize=["Tq", "Hq", "DV"])
 def _bwd_rows_kernel(
-    do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, kv_bound_ptr, Tq, Hq, DV, G,
+    do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, Tq, Hq, DV,
     stride_dot, stride_doh, stride_ot, stride_oh, stride_lt, stride_lh, stride_dlt, stride_dlh,
-    HAS_DLSE: tl.constexpr, HAS_DQ_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The workspace rows of ``BLOCK_M`` rows of one head, as the dQ kernel of ``kernels/backward.py`` writes
     them: ``delta = rowsum(dO * O) - dlse`` and ``lse * log2(e)``; rows no slice covers (``lse = -inf``) get
-    0 and ``+inf``, their dO, O and dlse unread (a NaN there stays out). With ``HAS_DQ_SCALE`` also a third
-    plane: the power of two that puts the row's dQ in 32-bit fixed point (see ``row_workspace``), 1 on
-    uncovered rows."""
+    0 and ``+inf``, their dO, O and dlse unread (a NaN there stays out)."""
     h = tl.program_id(1).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -227,45 +225,6 @@ def _bwd_rows_kernel(
         delta -= tl.load(dlse_ptr + h * stride_dlh + rows * stride_dlt, mask=covered, other=0.0).to(tl.float32)
     tl.store(ws_ptr + h * Tq + offs_m, delta, mask=mask_m)
     tl.store(ws_ptr + (Hq + h) * Tq + offs_m, lse2, mask=mask_m)
-    if HAS_DQ_SCALE:
-        hk = h // G
-        k_max = tl.load(kv_bound_ptr + hk)
-        v_max = tl.load(kv_bound_ptr + Hq // G + hk)
-        do_norm = tl.sqrt(tl.sum(do.to(tl.float32) * do.to(tl.float32), axis=1))
-        bound = 2.0 * (do_norm * v_max + tl.abs(delta)) * k_max
-        # bound < 2**(e + 1) with e its binary exponent, so 2**(29 - e) keeps the row's sum below 2**30;
-        # built from the exponent's bits, exact (clamped to the float range).
-        e = ((bound.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        m_bits = tl.minimum(tl.maximum(127 + 29 - e, 1), 254) << 23
-        mult = tl.where(covered & (bound > 0.0), m_bits.to(tl.float32, bitcast=True), 1.0)
-        # A NaN or inf among the row's dO or the head's read k and v: NaN, which then reaches the row's dQ.
-        mult = tl.where(covered & ((bound != bound) | (bound == float("inf"))), float("nan"), mult)
-        tl.store(ws_ptr + (2 * Hq + h) * Tq + offs_m, mult, mask=mask_m)
-
-
-def row_workspace(dout, out, lse, dlse, block_dv, kv_bound=None):
-    """The ``(2, Hq, Tq)`` float32 workspace of the rows' ``delta`` (plane 0) and ``lse * log2(e)`` (plane 1),
-    as the two-launch backward's dQ kernel writes it, from one small launch; for the backwards without that
-    kernel. `dout`, `out`: `(Tq, Hq, Dv)` (last dim contiguous); `lse`, `dlse` (or ``None``): `(Tq, Hq)`;
-    ``block_dv``: ``Dv`` padded to a power of two.
-
-    With ``kv_bound`` (`(2, Hkv)` float32: per key/value head the largest ``|k|`` element and the largest
-    ``v`` row norm over the keys that some slice reads) a third plane: per row the power of two ``m`` such
-    that ``m * |sum_j dS_ij k_j|`` stays below ``2**30`` for every subset of its keys, from the bound
-    ``2 (|dO_i| max|v_j| + |delta_i|) max|k_j|`` (``sum_j P_ij = 1``, and the factor 2 covers rounding): the
-    scale of a 32-bit fixed-point dQ accumulator."""
-    Tq, Hq, Dv = out.shape
-    has_scale = kv_bound is not None
-    ws = torch.empty(3 if has_scale else 2, Hq, Tq, dtype=torch.float32, device=out.device)
-    has_dlse = dlse is not None
-    dl = dlse if has_dlse else lse  # never read without a dlse
-    so, sdo, sl, sdl = out.stride(), dout.stride(), lse.stride(), dl.stride()
-    G = Hq // kv_bound.shape[1] if has_scale else 1
-    rows_m = 64
-    launch(_bwd_rows_kernel, (triton.cdiv(Tq, rows_m), Hq),
-           (dout, out, lse, dl, ws, kv_bound if has_scale else ws, Tq, Hq, Dv, G, sdo[0], sdo[1], so[0], so[1],
-            sl[0], sl[1], sdl[0], sdl[1], has_dlse, has_scale, rows_m, block_dv), num_warps=4)
-    return ws
 
 
 def fused_backward(dout, q, k, v, out, lse, dlse, plan, scale, softcap, *, block_m, block_n, num_warps,
@@ -278,8 +237,15 @@ def fused_backward(dout, q, k, v, out, lse, dlse, plan, scale, softcap, *, block
     Tq, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     dev = q.device
-    ws = row_workspace(dout, out, lse, dlse, block_dv)
-    sdo = dout.stride()
+    # delta (plane 0) and lse * log2(e) (plane 1), (Hq, Tq) each.
+    ws = torch.empty(2, Hq, Tq, dtype=torch.float32, device=dev)
+    has_dlse = dlse is not None
+    dl = dlse if has_dlse else lse  # never read without a dlse
+    so, sdo, sl, sdl = out.stride(), dout.stride(), lse.stride(), dl.stride()
+    rows_m = 64
+    launch(_bwd_rows_kernel, (triton.cdiv(Tq, rows_m), Hq),
+           (dout, out, lse, dl, ws, Tq, Hq, Dv, sdo[0], sdo[1], so[0], so[1], sl[0], sl[1], sdl[0], sdl[1],
+            has_dlse, rows_m, block_dv), num_warps=4)
     n_row_tiles = triton.cdiv(Tq, block_m)
     dq_acc = torch.zeros(Tq, Hq, block_d, dtype=torch.float32, device=dev)
     counters = torch.zeros(Hq * n_row_tiles + 2, dtype=torch.int32, device=dev)

@@ -36,11 +36,6 @@ warpgroups each own half of the program's block, with registers split
   matmuls), and ``P`` and ``dS`` go through shared memory, read transposed by
   the dV and dK matmuls.
   Each key's sums over rows run in the same order either way: the same bits.
-  With ``HAS_DQ`` (``BwdConfig.atomic_dq``, head dim 64, held by keys) the
-  kernel computes dQ too: per tile, the warpgroup of the tile's parity
-  multiplies both warpgroups' ``dS`` (through shared memory) by K and adds the
-  result to a float32 or fixed-point int32 accumulator by one TMA bulk
-  reduce-add; no dQ kernel runs.
 - dQ: a program owns ``BLOCK_M`` query rows of one head; the producer loads
   its q halves once, then each slice's K/V tiles, with descriptors ending at
   the slice's last key; dO and O come through pointer loads so that rows no
@@ -58,12 +53,10 @@ from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_pr
                      slice_diagonals)
 from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, next_item, nth_work, packed_qkv,
                           post_item, read_ticket, read_work, sched_buffers, store_rows, takes_tickets, tma_load,
-                          tma_reduce_add, wait_halves_free)
+                          wait_halves_free)
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
-# The staging of a float32 dQ tile for its bulk reduce-add (HAS_DQ): 32-wide column chunks, 128-byte swizzled rows.
-_STAGE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3))
 # The adaptive schedule's slice lengths that take the counter (sm90_common.takes_tickets).
 _MIN_LEN = gl.constexpr(0)
 _MAX_LEN = gl.constexpr(BWD_DYNAMIC_MAX_LEN)
@@ -185,8 +178,8 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b, p
     call site alternates); ``last_a`` / ``last_b`` is the last tile through each pair of descriptors.
     Returns them advanced. ``packed``: the program's k, v, q, dO descriptors over ``(T, H * D)`` (with
     ``HAS_PACKED_HEADS``)."""
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs, dqa_ptr = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem, dq_smem = smem
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     pid_hk, c0, c1, s_lo, s_hi = work
@@ -229,8 +222,7 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b, p
 def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
               HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
-              HAS_DQ: gl.constexpr):
+              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -297,79 +289,12 @@ def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, BLOCK_D: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _dq_matmul(dq_smem, k_smem, cur, mma_q: gl.constexpr):
-    """Issue tile ``cur``'s ``dQ = dS K`` (``HAS_DQ``): both warpgroups' ``dS^T`` from shared memory, once both
-    are there, read transposed against both halves of K."""
-    ds_t, stage, ds_sync = dq_smem
-    ROWS: gl.constexpr = mma_q.instr_shape[0] * mma_q.warps_per_cta[0]
-    COLS: gl.constexpr = mma_q.instr_shape[1]
-    mbarrier.wait(ds_sync.index(cur % 2), (cur // 2) & 1)
-    dq = warpgroup_mma(ds_t.index(2 * (cur % 2)).permute((1, 0)), k_smem.index(0),
-                       gl.zeros([ROWS, COLS], gl.float32, layout=mma_q), use_acc=False, is_async=True)
-    return warpgroup_mma(ds_t.index(2 * (cur % 2) + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
-
-
-@gluon.jit
-def _add_dq(dq, dqa_desc, dq_smem, ws_ptr, Tq, Hq, r, h, J: gl.constexpr):
-    """Add tile's dQ (rows from ``r``, head ``h``) to the accumulator: staged in this warpgroup's buffer (once
-    the reduce-add it staged two tiles back has read it), then one bulk reduce-add. Rows past the slice add
-    zeros (their dS is zero); rows past ``Tq`` fall outside the descriptor. An int32 accumulator holds dQ in
-    fixed point, each row scaled by the power of two of the workspace's third plane (integer adds: the same
-    sum in any order)."""
-    ds_t, stage, ds_sync = dq_smem
-    CHUNKS: gl.constexpr = dq.shape[1] // 32
-    buf = stage.index(J)
-    if buf.dtype == gl.int32:
-        rows = r + gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, dq.type.layout))
-        mult = gl.load(ws_ptr + (2 * Hq + h) * Tq + rows, mask=rows < Tq, other=1.0)
-        # Truncated toward zero: a fixed rounding of each tile's value.
-        dq = (dq * gl.expand_dims(mult, 1)).to(gl.int32)
-    tma.store_wait(0)
-    cta_barrier()
-    buf.store(gl.reshape(dq, [dq.shape[0], CHUNKS, 32]))
-    fence_async_shared()
-    cta_barrier()
-    tma_reduce_add(dqa_desc, [r, h.to(gl.int32) * CHUNKS, 0], buf)
-
-
-@gluon.jit
-def _stage_ds(ds_t_op, dq_smem, cur, J: gl.constexpr):
-    """Store this warpgroup's ``dS^T`` of tile ``cur`` for the dQ matmul (``HAS_DQ``), once the dQ matmul of two
-    tiles back (the same buffer) has read it; then say it is there (``ds_sync``: per tile parity, "dS stored"
-    by both warpgroups, then "dS read" by the warpgroup that computes the tile's dQ, the tile's parity)."""
-    ds_t, stage, ds_sync = dq_smem
-    if cur >= 2:
-        mbarrier.wait(ds_sync.index(2 + cur % 2), ((cur - 2) // 2) & 1)
-    ds_t.index(2 * (cur % 2) + J).store(ds_t_op)
-    fence_async_shared()
-    cta_barrier()
-    mbarrier.arrive(ds_sync.index(cur % 2), count=1)
-
-
-@gluon.jit
-def _zero_nonfinite(buf):
-    """Zero the non-finite values of a K half in shared memory (``HAS_DQ``: a key that no slice reads may hold
-    NaN, and the dQ matmul would take ``0 * NaN`` from it); the other warpgroup reads it only after this
-    one's first "dS stored"."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    x = buf.load(layout)
-    buf.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, gl.zeros_like(x)))
-    fence_async_shared()
-    cta_barrier()
-
-
-@gluon.jit
-def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                       IS_DV_PADDED: gl.constexpr, HAS_DQ: gl.constexpr, J: gl.constexpr):
+                       IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
     """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
     returns ``it`` advanced. The K and V halves are released after their last matmul.
-
-    With ``HAS_DQ`` (held by keys, head dim 64) each tile's ``dQ = dS K`` is computed here too, by the
-    warpgroup of the tile's parity from both warpgroups' ``dS^T`` (through shared memory), issued beside the
-    next tile's matmuls, and added to the float32 accumulator ``dqa_desc`` by a bulk reduce-add (``_add_dq``):
-    five matmuls per tile, no dQ kernel, and the adds' order varies from run to run.
 
     Held by keys: per tile ``S^T = K Q^T`` and ``dP^T = V dO^T``, then ``P^T`` and ``dS^T`` stay in
     registers as the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``. With ``IS_BY_ROWS``
@@ -377,8 +302,8 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
     thread keeps two rows' lse and delta, and with ``BLOCK_M`` as wide as the warpgroup's keys every score
     matmul is ``HALF`` wide), and ``P`` and ``dS`` go through shared memory, read transposed by the dV and
     dK matmuls. The sums over each tile's rows run inside one matmul either way: the same bits."""
-    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs, dqa_ptr = ptrs
-    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem, dq_smem = smem
+    q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, order_ptrs = ptrs
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem = smem
     (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
      stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap) = scalars
     pid_hk, c0, c1, s_lo, s_hi = work
@@ -407,12 +332,6 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
     if not IS_BY_ROWS:
         # By rows it is rebuilt per edge tile (_dkdv_scores_rows).
         offs_n = n0 + gl.arange(0, HALF, layout=key_s)
-    if HAS_DQ:
-        gl.static_assert((not IS_BY_ROWS) and BLOCK_D == 64 and BLOCK_M == 64,
-                         "dQ in the dK/dV kernel: scores held by keys, 64-row tiles, head dim 64")
-        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_D, 16])
-        _zero_nonfinite(k_smem.index(J))
     dk = gl.zeros([HALF, BLOCK_D], gl.float32, layout=mma_k)
     dv = gl.zeros([HALF, BLOCK_DV], gl.float32, layout=mma_v)
     if not IS_BY_ROWS:
@@ -433,10 +352,6 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
     # those matmuls are done), its q and dO still in ring slot ``p_slot``.
     pending = 0
     p_slot = 0
-    # The pending tile's ring-tile number, first row and head (for its dQ).
-    p_cur = it
-    p_r = c0
-    p_h = pid_hk.to(gl.int64)
     if not IS_BY_ROWS:
         pt_op = gl.zeros([HALF, BLOCK_M], dtype, layout=pt_layout)
         dst_op = gl.zeros([HALF, BLOCK_M], dtype, layout=dst_layout)
@@ -482,37 +397,20 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
                 qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
                 dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
                 if pending == 1:
-                    # (An accumulator in flight cannot enter or leave a runtime branch: the dQ tiles of this
-                    # warpgroup take a copy of the tile's matmuls and waits of their own.)
-                    if HAS_DQ and (p_cur % 2 == J):
-                        dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
-                        dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
-                        sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
-                        pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
-                                               d_hi, qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
-                        # Issued once the scores are done with S^T and dP^T: its accumulator would not fit beside.
-                        dq = _dq_matmul(dq_smem, k_smem, p_cur, mma_q)
-                        dv, dk, pt_op, dst_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op, dq))
-                        mbarrier.arrive(empty.index(p_slot), count=1)
-                        mbarrier.arrive(dq_smem[2].index(2 + p_cur % 2), count=1)
-                        _add_dq(dq, dqa_desc, dq_smem, ws_ptr, Tq, Hq, p_r, p_h, J)
-                    else:
-                        dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
-                        dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
-                        sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
-                        pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
-                                               d_hi, qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
-                        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-                        mbarrier.arrive(empty.index(p_slot), count=1)
+                    dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
+                    dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
+                    sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
+                    pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
+                                           qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                    dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                    mbarrier.arrive(empty.index(p_slot), count=1)
                 else:
                     sT, dT = warpgroup_mma_wait(0, deps=(qkT, dpT))
                     pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
                                            qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
-            if not HAS_DQ:
-                # (With HAS_DQ a pending tile's dQ matmul reads both K halves: released at the end.)
-                if is_last_pair & (t == n_tiles - 1):
-                    mbarrier.arrive(kv_free.index(J), count=1)
-                    kv_held = 0
+            if is_last_pair & (t == n_tiles - 1):
+                mbarrier.arrive(kv_free.index(J), count=1)
+                kv_held = 0
             if IS_BY_ROWS:
                 p_buf.store(p.to(dtype))
                 ds_buf.store(ds.to(dtype))
@@ -522,43 +420,22 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
                 cta_barrier()
             else:
                 pt_op = gl.convert_layout(pT.to(dtype), pt_layout)
-                if HAS_DQ:
-                    ds_t = dsT.to(dtype)
-                    _stage_ds(ds_t, dq_smem, cur, J)
-                    dst_op = gl.convert_layout(ds_t, dst_layout)
-                else:
-                    dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
+                dst_op = gl.convert_layout(dsT.to(dtype), dst_layout)
             pending = 1
             p_slot = slot
-            p_cur = cur
-            p_r = r
-            p_h = h
         it += n_tiles
-    if not HAS_DQ:
-        if kv_held == 1:
-            mbarrier.arrive(kv_free.index(J), count=1)
+    if kv_held == 1:
+        mbarrier.arrive(kv_free.index(J), count=1)
     if pending == 1:
         if IS_BY_ROWS:
             dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(p_slot), dv, is_async=True)
             dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         else:
-            if HAS_DQ and (p_cur % 2 == J):
-                dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
-                dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
-                dq = _dq_matmul(dq_smem, k_smem, p_cur, mma_q)
-                dv, dk, pt_op, dst_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op, dq))
-                mbarrier.arrive(dq_smem[2].index(2 + p_cur % 2), count=1)
-                _add_dq(dq, dqa_desc, dq_smem, ws_ptr, Tq, Hq, p_r, p_h, J)
-            else:
-                dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
-                dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
-                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            dv = warpgroup_mma(pt_op, do_smem.index(p_slot), dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
         mbarrier.arrive(empty.index(p_slot), count=1)
-    if HAS_DQ:
-        # Both halves of K were read by the dQ matmuls (count 2: this warpgroup's and the other's releases).
-        mbarrier.arrive(kv_free.index(0), count=1)
-        mbarrier.arrive(kv_free.index(1), count=1)
     _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, BLOCK_D, BLOCK_DV, IS_D_PADDED, IS_DV_PADDED)
     return it
 
@@ -567,20 +444,12 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M: gl.cons
 def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
               IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
-              IS_DYNAMIC: gl.constexpr, HAS_DQ: gl.constexpr, J: gl.constexpr):
+              IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
-    Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
+    Tk, Hkv = scalars[1], scalars[3]
     n_work = gl.cdiv(Tk, BLOCK_N * SPLIT) * SPLIT * Hkv
-    if HAS_DQ:
-        # The (Tq, Hq, BLOCK_D) float32 accumulator as 32-wide column chunks: a box of one head's tile rows with
-        # 128-byte rows, so that the staging is swizzled (_add_dq).
-        dqa_desc = tma.make_tensor_descriptor(ptrs[9], shape=[Tq, Hq * (BLOCK_D // 32), 32],
-                                              strides=[Hq * BLOCK_D, 32, 1], block_shape=[BLOCK_M, BLOCK_D // 32, 32],
-                                              layout=_STAGE_LAYOUT)
-    else:
-        dqa_desc = 0
     it = 0
     wi = 0
     if IS_DYNAMIC:
@@ -588,8 +457,8 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
         while w < n_work:
             work = read_work(sched)
             mbarrier.wait(kv_ready.index(J), wi & 1)
-            it = _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                    HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, HAS_DQ, J)
+            it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
+                                    STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -599,23 +468,19 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
             if w < n_work:
                 work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
                 mbarrier.wait(kv_ready.index(J), wi & 1)
-                it = _consume_dkdv_work(ptrs, smem, scalars, work, it, dqa_desc, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                        HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, HAS_DQ, J)
+                it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                        HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
                 wi += 1
-    if HAS_DQ:
-        # The last reduce-adds have read their staging before the program ends.
-        tma.store_wait(0)
 
 
 @gluon.jit
 def _consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                 HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
-                HAS_DQ: gl.constexpr):
+                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-              IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, HAS_DQ, 1)
+              IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -630,16 +495,13 @@ def bwd_dkdv_sm90_kernel(
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
-    IS_ADAPTIVE: gl.constexpr, ticket_ptr, dqa_ptr, HAS_DQ: gl.constexpr,
+    IS_ADAPTIVE: gl.constexpr, ticket_ptr,
 ):
     """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS``, ``HAS_PACKED_HEADS`` (each row
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
     program, sm90_common), ``IS_DYNAMIC`` and ``ticket_ptr`` (the programs take their items from this
     zeroed counter, sm90_common.take_item; untouched otherwise), ``IS_ADAPTIVE`` (with ``IS_DYNAMIC``: the
-    counter only when the mask's heaviest slice is short, sm90_common.takes_tickets), and with ``HAS_DQ`` a
-    zeroed float32 ``(Tq, Hq, BLOCK_D)`` accumulator ``dqa_ptr`` to which each tile adds its ``dS K``
-    (``_consume_dkdv_work``; the workspace must be written first), or an int32 one that takes it in fixed
-    point (the workspace's third plane, ``backward_fused.row_workspace``); launched with 4 warps
+    counter only when the mask's heaviest slice is short, sm90_common.takes_tickets); launched with 4 warps
     (the first consumer) plus a 4-warp and a 1-warp worker, under a register cap the partitions split. On the Triton kernel's
     grid each program owns one work item; on a smaller (persistent) grid each walks several."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -666,41 +528,26 @@ def bwd_dkdv_sm90_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-        # With HAS_DQ both warpgroups read both halves of K.
-        mbarrier.init(kv_free.index(i), count=2 if HAS_DQ else 1)
+        mbarrier.init(kv_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    if HAS_DQ:
-        # Per warpgroup and tile parity its dS^T (keys x rows); per warpgroup a float32 dQ tile's staging; per
-        # tile parity a "dS stored" barrier (both warpgroups) and a "dS read" one (the dQ matmul).
-        ds_t = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M],
-                                         gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_M * 2, 128),
-                                                              element_bitwidth=16))
-        stage = gl.allocate_shared_memory(dqa_ptr.dtype.element_ty, [2, BLOCK_M, BLOCK_D // 32, 32], _STAGE_LAYOUT)
-        ds_sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ds_sync.index(i), count=2)
-            mbarrier.init(ds_sync.index(2 + i), count=1)
-        dq_smem = (ds_t, stage, ds_sync)
-    else:
-        dq_smem = 0
 
     # Runtime values only in the tuple variables (a constexpr stored in one reaches the partitions as a tensor).
     ptrs = (q_ptr, k_ptr, v_ptr, do_ptr, ws_ptr, dk_ptr, dv_ptr, slices_ptr, (block_lo_ptr, block_hi_ptr,
-                                                                             block_order_ptr), dqa_ptr)
-    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem, dq_smem)
+                                                                             block_order_ptr))
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, empty, ps_smem)
     scalars = (Tq, Tk, Hq, Hkv, G, D, DV, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale, softcap)
     item, posted = sched_buffers()
     sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
         (_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, HAS_DQ, 0)),
+                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
         (_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE, HAS_DQ)),
+                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
         (_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE, HAS_DQ)),
+                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
     ], [4, 1], [240, 24])
 
 

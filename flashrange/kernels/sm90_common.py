@@ -23,35 +23,19 @@ results are the same bits.
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "next_item",
            "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
-           "take_item", "takes_tickets", "tma_load", "tma_reduce_add", "wait_halves_free", "wait_tiles_landed"]
+           "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # And its barrier of the threads of a program (``thread_barrier`` up to Triton 3.6, ``barrier`` later); inside a
 # warp-specialized partition it synchronizes that partition's warps.
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """A bulk add of shared memory ``src`` into the box of ``tensor_desc`` at ``coord`` (one
-    ``cp.reduce.async.bulk.tensor``, float or integer by the descriptor's element type, waited for as a TMA
-    store is). Triton 3.6's Gluon has no wrapper for
-    it; its IR builder has the op that later releases wrap as ``tma.async_atomic_add``."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    kind = ir.DESCRIPTOR_REDUCE_KIND.ADD
-    _semantic.builder.create_async_tma_reduce(kind, tensor_desc.handle, coord, src.handle)
-
-
-tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
 @gluon.jit
