@@ -5,8 +5,15 @@
 # dynamic for short slots); the twenty-sixth ran the defaults step on an H100 (BENCHMARKS.md); the
 # twenty-seventh ran d64 (and made head dim 64 take the same schedules: forward sm90pppma for every mask,
 # backward dynamic for short slots), fbgap with profile_call.py --variants (the GPU's clock, not the call),
-# host, and the GPU tests left over. Not run on a GPU yet: an H200 bar table (none has been lent since the
-# sixteenth session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
+# host, and the GPU tests left over. The twenty-ninth timed the twenty-eighth's five-matmul backward at head
+# dim 64 (BwdConfig.atomic_dq, fixed_point_dq: slower everywhere, removed; `git show 86d768d` has them) and
+# left the dqparts step. Not run on a GPU yet: an H200 bar table (none has been lent since the sixteenth
+# session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
+#   dqparts  what each part of that removed path costs: the two-launch default and atomic_dq of 86d768d against
+#          the same with the reduce-add left out and with staging and reduce-add left out (scratch, dQ wrong:
+#          scripts/pending/atomic_dq_no_*.patch), then the public call's per-kernel times at head dims 64
+#          and 128 (scripts/profile_call.py). Export first: bash scripts/ab_export.sh 86d768d pre, and
+#          bash scripts/ab_export.sh 86d768d noreduce|nostage scripts/pending/atomic_dq_no_reduce|staging.patch;
 #   defaults  first: the shape-chosen defaults' GPU tests, then their A/B against the fixed defaults of
 #          a937242 through the launchers (bash scripts/ab_export.sh a937242 prev, carry "ab");
 #   tests  the GPU tests of the dynamic and adaptive schedules, forward and backward (bitwise equal to the
@@ -38,10 +45,18 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-STEPS="${STEPS:-defaults fwd bwd}"
+STEPS="${STEPS:-dqparts}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
+if has dqparts; then
+  a="64,128,8,3,128,128,8,3,dkdv+persistent+atomic"
+  ab dqparts 280 --bwd pre:default --bwd "pre:$a" --bwd "noreduce:$a" --bwd "nostage:$a" \
+    --cases full-8k-d64,causal-8k-d64,doc16-32k-d64
+  timeout 200 python scripts/profile_call.py --cases full-8k-d64,doc16-32k-d64,full-8k,causal-8k --reps 5 \
+    > "$OUT/profile.log" 2>&1
+  echo "profile rc=$?" | tee -a "$OUT/rc.txt"; tail -n 40 "$OUT/profile.log"
+fi
 if has defaults; then
   # The defaults chosen by shape (constants.has_short_slices) against the previous fixed defaults, through the
   # launchers (export the old defaults first: bash scripts/ab_export.sh a937242 prev), after their GPU tests.
