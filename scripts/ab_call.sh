@@ -9,6 +9,10 @@
 # dim 64 (BwdConfig.atomic_dq, fixed_point_dq: slower everywhere, removed; `git show 86d768d` has them) and
 # left the dqparts step. Not run on a GPU yet: an H200 bar table (none has been lent since the sixteenth
 # session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
+#   exp2   the Hopper forward's exponentials: the default against half of them by a polynomial on the FMA pipe,
+#          all of them so, and none (scratch, output wrong: what MUFU's share costs), on head dims 64 and 128
+#          (scripts/pending/fwd_*exp2*.patch; export first: bash scripts/ab_export.sh HEAD halfpoly
+#          scripts/pending/fwd_exp2_half_poly.patch, and allpoly, noexp likewise);
 #   dqparts  what each part of that removed path costs: the two-launch default and atomic_dq of 86d768d against
 #          the same with the reduce-add left out and with staging and reduce-add left out (scratch, dQ wrong:
 #          scripts/pending/atomic_dq_no_*.patch), then the public call's per-kernel times at head dims 64
@@ -45,10 +49,14 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-STEPS="${STEPS:-dqparts}"
+STEPS="${STEPS:-exp2 dqparts}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
+if has exp2; then
+  ab exp2 240 --fuzz 4 --fuzz-d 64 --fwd main:default --fwd halfpoly:default --fwd allpoly:default \
+    --fwd noexp:default --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,full-8k,causal-8k
+fi
 if has dqparts; then
   a="64,128,8,3,128,128,8,3,dkdv+persistent+atomic"
   ab dqparts 280 --bwd pre:default --bwd "pre:$a" --bwd "noreduce:$a" --bwd "nostage:$a" \
