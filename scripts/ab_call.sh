@@ -9,7 +9,7 @@
 # dim 64 (BwdConfig.atomic_dq, fixed_point_dq: slower everywhere, removed; `git show 86d768d` has them) and
 # left the dqparts step. Not run on a GPU yet: an H200 bar table (none has been lent since the sixteenth
 # session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
-#   exp2   the Hopper forward's exponentials: the default against half of them by a polynomial on the FMA pipe,
+#   exp2   the Hopper forward's exponentials: the default against a quarter or half of them by a polynomial on the FMA pipe,
 #          all of them so, and none (scratch, output wrong: what MUFU's share costs), on head dims 64 and 128
 #          (scripts/pending/fwd_*exp2*.patch; export first: bash scripts/ab_export.sh HEAD halfpoly
 #          scripts/pending/fwd_exp2_half_poly.patch, and allpoly, noexp likewise); then the backward's
@@ -55,7 +55,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
 if has exp2; then
-  ab exp2 240 --fuzz 4 --fuzz-d 64 --fwd main:default --fwd halfpoly:default --fwd allpoly:default \
+  ab exp2 240 --fuzz 4 --fuzz-d 64 --fwd main:default --fwd quarterpoly:default --fwd halfpoly:default --fwd allpoly:default \
     --fwd noexp:default --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,full-8k,causal-8k
   ab bexp2 200 --fuzz 4 --fuzz-d 64 --bwd main:default --bwd bhalfpoly:default \
     --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,full-8k
