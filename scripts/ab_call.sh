@@ -12,7 +12,7 @@
 #   exp2   the Hopper forward's exponentials: the default against a quarter or half of them by a polynomial on the FMA pipe,
 #          all of them so, and none (scratch, output wrong: what MUFU's share costs), on head dims 64 and 128
 #          (scripts/pending/fwd_*exp2*.patch; export first: bash scripts/ab_export.sh HEAD halfpoly
-#          scripts/pending/fwd_exp2_half_poly.patch, and allpoly, noexp likewise); then the backward's
+#          scripts/pending/fwd_exp2_half_poly.patch, and quarterpoly, allpoly, noexp likewise); then the backward's
 #          half (bhalfpoly: scripts/pending/bwd_exp2_half_poly.patch) against its default;
 #   dqparts  what each part of that removed path costs: the two-launch default and atomic_dq of 86d768d against
 #          the same with the reduce-add left out and with staging and reduce-add left out (scratch, dQ wrong:
@@ -55,8 +55,8 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
 if has exp2; then
-  ab exp2 240 --fuzz 4 --fuzz-d 64 --fwd main:default --fwd quarterpoly:default --fwd halfpoly:default --fwd allpoly:default \
-    --fwd noexp:default --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,full-8k,causal-8k
+  ab exp2 240 --fuzz 4 --fuzz-d 64 --fwd main:default --fwd quarterpoly:default --fwd halfpoly:default \
+    --fwd allpoly:default --fwd noexp:default --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,full-8k,causal-8k
   ab bexp2 200 --fuzz 4 --fuzz-d 64 --bwd main:default --bwd bhalfpoly:default \
     --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,full-8k
 fi
