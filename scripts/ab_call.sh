@@ -9,11 +9,10 @@
 # dim 64 (BwdConfig.atomic_dq, fixed_point_dq: slower everywhere, removed; `git show 86d768d` has them) and
 # left the dqparts step. Not run on a GPU yet: an H200 bar table (none has been lent since the sixteenth
 # session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
-#   exp2   the Hopper forward's exponentials: the default against a quarter or half of them by a polynomial on the FMA pipe,
-#          and none (scratch, output wrong: what MUFU's share costs; all by the polynomial, allpoly, was cut
-#          for device time), on head dims 64 and 128
+#   exp2   the Hopper forward's exponentials: the default against a quarter or half of them by a polynomial on
+#          the FMA pipe, and none (scratch, output wrong: what MUFU's share costs), on head dims 64 and 128
 #          (scripts/pending/fwd_*exp2*.patch; export first: bash scripts/ab_export.sh HEAD halfpoly
-#          scripts/pending/fwd_exp2_half_poly.patch, and quarterpoly, allpoly, noexp likewise); then the backward's
+#          scripts/pending/fwd_exp2_half_poly.patch, and quarterpoly, noexp likewise); then the backward's
 #          half (bhalfpoly: scripts/pending/bwd_exp2_half_poly.patch) against its default;
 #   dqparts  what each part of that removed path costs: the two-launch default and atomic_dq of 86d768d against
 #          the same with the reduce-add left out and with staging and reduce-add left out (scratch, dQ wrong:
