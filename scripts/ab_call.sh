@@ -10,10 +10,11 @@
 # left the dqparts step. Not run on a GPU yet: an H200 bar table (none has been lent since the sixteenth
 # session), and the whole GPU suite on this tree in one go (its parts passed across sessions).
 #   exp2   the Hopper forward's exponentials: the default against a quarter or half of them by a polynomial on
-#          the FMA pipe, and none (scratch, output wrong: what MUFU's share costs), on head dims 64 and 128
-#          (scripts/pending/fwd_*exp2*.patch; export first: bash scripts/ab_export.sh HEAD halfpoly
-#          scripts/pending/fwd_exp2_half_poly.patch, and quarterpoly, noexp likewise); then the backward's
-#          half (bhalfpoly: scripts/pending/bwd_exp2_half_poly.patch) against its default;
+#          the FMA pipe (FwdConfig.poly_exp2: sm90pppmax1, sm90pppmax2), and none (scratch, output wrong: what
+#          MUFU's share costs; export first: bash scripts/ab_export.sh 78a0192 noexp
+#          scripts/pending/fwd_no_exp2.patch), on head dims 64 and 128, with their GPU test; then the backward's
+#          half (bhalfpoly: bash scripts/ab_export.sh 78a0192 bhalfpoly scripts/pending/bwd_exp2_half_poly.patch)
+#          against its default;
 #   dqparts  what each part of that removed path costs: the two-launch default and atomic_dq of 86d768d against
 #          the same with the reduce-add left out and with staging and reduce-add left out (scratch, dQ wrong:
 #          scripts/pending/atomic_dq_no_*.patch), then the public call's per-kernel times at head dims 64
@@ -55,8 +56,12 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
 if has exp2; then
-  ab exp2 200 --fuzz 3 --fuzz-d 64 --fwd main:default --fwd quarterpoly:default --fwd halfpoly:default \
-    --fwd noexp:default --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,full-8k
+  ab exp2 240 --fuzz 3 --fuzz-d 64 --fwd main:default --fwd main:sm90pppmax1_m128_n128_w4_s3 \
+    --fwd main:sm90pppmax2_m128_n128_w4_s3 --fwd noexp:default \
+    --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,doc128-32k-d64,full-8k,causal-8k
+  # Their own GPU test (NaN where it is read); the fuzz of 300 masks each is left to the whole suite.
+  SUITE_K="poly_exp2" LIMIT=120 PROCS=2 OUT="$OUT/ptests" bash scripts/gpu_suite.sh > "$OUT/ptests.log" 2>&1
+  tail -n 5 "$OUT/ptests.log"
   ab bexp2 150 --fuzz 3 --fuzz-d 64 --bwd main:default --bwd bhalfpoly:default \
     --cases full-8k-d64,causal-8k-d64,doc16-32k-d64,full-8k
 fi

@@ -153,6 +153,14 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d64-fp16-documents-softcap-maxlogits-gluon-adaptive", 64, 64, torch.float16, "sm90pppma_m128_n128_w4_s3",
          _docs(300, 9), 30.0, True, False),
+        # A quarter or half of the probabilities' exponentials by the polynomial (softcap: its own exponential
+        # stays on MUFU).
+        ("d64-bf16-documents-gluon-adaptive-poly-quarter", 64, 64, torch.bfloat16, "sm90pppmax1_m128_n128_w4_s3",
+         _docs(300, 9), 0.0, False, False),
+        ("d64-fp16-documents-softcap-maxlogits-gluon-adaptive-poly-half", 64, 64, torch.float16,
+         "sm90pppmax2_m128_n128_w4_s3", _docs(300, 9), 30.0, True, False),
+        ("d128-bf16-documents-gluon-adaptive-poly-quarter", 128, 128, torch.bfloat16, "sm90pppmax1_m128_n128_w4_s3",
+         _docs(300, 9), 0.0, False, False),
         ("d128-bf16-documents-gluon-adaptive-split-kv", 128, 128, torch.bfloat16, "sm90pppmak_m128_n128_w4_s2",
          _docs(300, 9), 0.0, False, False),
         # Split key and value barriers: two slots (the 16-byte output stores at head dim 128 then fit) and three,

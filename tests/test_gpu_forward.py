@@ -564,7 +564,8 @@ def test_hopper_kernel_many_short_slices(Tq, Tk, n, D, dtype, softcap):
 @pytest.mark.parametrize("config", ["sm90pp_m128_n128_w4_s3", "sm90ppp_m128_n128_w4_s3", "sm90pppm_m128_n128_w4_s3",
                                     "sm90pppmd_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3",
                                     "sm90pppmk_m128_n128_w4_s2",
-                                    "sm90pppmkq_m128_n128_w4_s2"])
+                                    "sm90pppmkq_m128_n128_w4_s2", "sm90pppmax1_m128_n128_w4_s3",
+                                    "sm90pppmax2_m128_n128_w4_s3"])
 def test_fuzz_hopper_kernel(config):
     """300 random masks forced through the Hopper kernel, at the head dims it serves.
 
@@ -573,6 +574,28 @@ def test_fuzz_hopper_kernel(config):
     """
     _fuzz(4321, 300, [1, 17, 64, 129, 300, 513, 1000], [1, 31, 128, 255, 640, 1001],
           [(64, 64), (128, 128), (96, 96), (64, 128), (80, 80)], 8, config=config)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("config", ["sm90pppmax1_m128_n128_w4_s3", "sm90pppmax2_m128_n128_w4_s3"],
+                         ids=["poly-quarter", "poly-half"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_poly_exp2_keeps_nan_where_it_is_read(config, D):
+    """With part of the exponentials by the polynomial, NaN in keys that a slice reads makes exactly that slice's
+    rows NaN, as MUFU's exp2 does; masked cells (``-inf``) stay out of the other slice's rows.
+
+    Keys 0-15 are NaN and rows 0-99 read them, so every register position of the split (column pairs,
+    rows 8 apart) meets a NaN; rows 100-299 read keys 128-299 causally and must stay finite.
+    """
+    T = 300
+    q, k, v = make_qkv(T, T, 2, 1, D, D, torch.bfloat16, DEV, seed=5)
+    k[:16] = float("nan")
+    qr = torch.tensor([[0, 100], [100, 300]], dtype=torch.int32)
+    kr = torch.tensor([[0, 128], [128, 300]], dtype=torch.int32)
+    mt = torch.tensor([FULL, CAUSAL], dtype=torch.int32)
+    out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, config=config)
+    assert bool(torch.isnan(out[:100]).all()) and bool(torch.isnan(lse[:100]).all())
+    assert bool(torch.isfinite(out[100:]).all()) and bool(torch.isfinite(lse[100:]).all())
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")

@@ -347,6 +347,10 @@ class FwdConfig:
     # Gluon only, fixed share: query blocks used by turns; with 2 the producer loads the next item's queries
     # while this item's are in use (docs/design.md, "Split key and value barriers").
     q_buffers: int = 1
+    # Gluon only: how many quarters (0, 1 or 2) of the probabilities' exponentials a polynomial computes on
+    # the FMA pipe instead of MUFU, whose throughput bounds the softmax at head dim 64 (docs/design.md,
+    # "Exponentials on two pipes").
+    poly_exp2: int = 0
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -392,6 +396,10 @@ FWD_CONFIGS = [
               persistent=True, merge=True, dynamic=True),
     FwdConfig("sm90pppma_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, dynamic=True, adaptive=True),
+    FwdConfig("sm90pppmax1_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True,
+              pingpong=True, persistent=True, merge=True, dynamic=True, adaptive=True, poly_exp2=1),
+    FwdConfig("sm90pppmax2_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True,
+              pingpong=True, persistent=True, merge=True, dynamic=True, adaptive=True, poly_exp2=2),
     FwdConfig("sm90pppmak_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True,
               pingpong=True, persistent=True, merge=True, dynamic=True, adaptive=True, split_kv=True),
     FwdConfig("sm90pppmk_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
@@ -771,9 +779,11 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         kernel, num_stages, maxnreg = _gluon_kernel(), None, WS_MAXNREG
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
-        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, ticket_ptr
+        # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS,
+        # POLY_QUARTERS, ticket_ptr
         args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), config.dynamic,
-                       config.adaptive, config.split_kv, config.q_buffers, _ticket(config.dynamic, lse))
+                       config.adaptive, config.split_kv, config.q_buffers, config.poly_exp2,
+                       _ticket(config.dynamic, lse))
     try:
         if sig is None:
             launch(kernel, grid, args, num_warps=config.num_warps, num_stages=num_stages, maxnreg=maxnreg)

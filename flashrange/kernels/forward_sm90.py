@@ -57,9 +57,48 @@ _MAX_LEN = gl.constexpr(MAX_TOKENS)
 
 
 @gluon.jit
+def _exp2_poly(x):
+    """``2^x`` on the FMA pipe, no MUFU, for ``x <= 127``: ``x = j + f`` with ``j`` an integer and ``|f| <= 1/2``,
+    a degree-5 minimax polynomial for ``2^f`` (relative error within a few float32 ulps, as MUFU's), times
+    ``2^j``. Exactly 0 below ``-126`` (masked cells' ``-inf`` included); NaN stays NaN."""
+    # Adding 1.5 * 2^23 + 127 rounds x to an integer (the sum's ulp is 1) whose low mantissa bits are
+    # j + 127: shifted into the exponent field they are 2^j as a float, with no integer add.
+    t = x + 12583039.0
+    f = x - (t - 12583039.0)
+    p = 1.3276471287971983e-3 * f + 9.675541328939734e-3
+    p = p * f + 5.550713275678607e-2
+    p = p * f + 2.402211972397735e-1
+    p = p * f + 6.93146967063425e-1
+    p = p * f + 1.0000000716546422
+    scale = (t.to(gl.int32, bitcast=True) << 23).to(gl.float32, bitcast=True)
+    return gl.where(x < -126.0, 0.0, p * scale)
+
+
+@gluon.jit
+def _exp2_mixed(x, POLY_QUARTERS: gl.constexpr):
+    """``2^x`` of a tile with ``POLY_QUARTERS`` quarters of it (0, 1 or 2) by :func:`_exp2_poly` on the FMA pipe
+    and the rest on MUFU (docs/design.md, "Exponentials on two pipes"). The split follows the registers each
+    thread holds (column pairs, then rows 8 apart), so that joining the parts back moves nothing."""
+    if POLY_QUARTERS == 0:
+        return gl.exp2(x)
+    else:
+        gl.static_assert(POLY_QUARTERS <= 2, "at most half of the exponentials go to the polynomial")
+        M: gl.constexpr = x.shape[0]
+        N2: gl.constexpr = x.shape[1] // 2
+        x0, x1 = gl.split(gl.reshape(x, [M, N2, 2]))
+        if POLY_QUARTERS == 2:
+            e1 = _exp2_poly(x1)
+        else:
+            y0, y1 = gl.split(gl.permute(gl.reshape(x1, [M // 16, 2, 8, N2]), (0, 2, 3, 1)))
+            e1 = gl.convert_layout(gl.reshape(gl.permute(gl.join(gl.exp2(y0), _exp2_poly(y1)), (0, 3, 1, 2)),
+                                              [M, N2]), x0.type.layout)
+        return gl.convert_layout(gl.reshape(gl.join(gl.exp2(x0), e1), x.shape), x.type.layout)
+
+
+@gluon.jit
 def _softmax_step(
     s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
-    HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, POLY_QUARTERS: gl.constexpr,
 ):
     """Scores of one tile to probabilities (base 2): ``(p, alpha, m_new, l_new)``; same rules as the Triton kernel."""
     if HAS_SOFTCAP:
@@ -80,9 +119,9 @@ def _softmax_step(
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     if IS_SCALE_FOLDED:
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        p = _exp2_mixed(s * qk_scale - gl.expand_dims(m_use, 1), POLY_QUARTERS)
     else:
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        p = _exp2_mixed(s - gl.expand_dims(m_use, 1), POLY_QUARTERS)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
@@ -283,7 +322,7 @@ def _ws_producer(
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
     IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
-    Q_BUFS: gl.constexpr,
+    Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -345,7 +384,7 @@ def _consume_tiles(
     smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
     d_lo, d_hi, qk_scale, cap_in, cap_out, dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
     BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr,
-    IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr, J: gl.constexpr,
+    IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr, POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
 ):
     """``n_tiles`` key tiles from ``k_lo`` (ring tiles from ``it``) into one warpgroup's online softmax; tiles
     ``[n_full_lo, n_full_hi)`` skip the element mask. The mask's ``row_ok``, ``ks``, ``ke``, ``d_lo``, ``d_hi``
@@ -381,7 +420,7 @@ def _consume_tiles(
             is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
             offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             prev = slot
@@ -408,7 +447,7 @@ def _consume_tiles(
                 is_edge = (t < n_full_lo) | (t >= n_full_hi)
                 offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
-                                                   d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                                                   d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
@@ -432,7 +471,7 @@ def _consume_tiles(
             is_edge = (t < n_full_lo) | (t >= n_full_hi)
             offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED)
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
@@ -461,7 +500,7 @@ def _consume_slices(
     slices_ptr, smem, qh, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
     dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
-    J: gl.constexpr,
+    POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
 ):
     """One warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) over the window's slices one by one, each slice's
     tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i)``."""
@@ -471,7 +510,7 @@ def _consume_slices(
         n_blk, q_held, acc, m_i, l_i = _consume_tiles(
             smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
             s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
-            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, J)
+            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, POLY_QUARTERS, J)
         it += n_tiles
     return it, n_blk, q_held, acc, m_i, l_i
 
@@ -482,7 +521,7 @@ def _consume_work(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
 ):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of a work item (``work`` decoded), on one warpgroup, its query half
     in buffer ``qh``: ring tiles from ``it``, ping-pong blocks from ``n_blk``; returns both advanced. The query
@@ -531,13 +570,13 @@ def _consume_work(
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
                 smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
                 run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
-                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, J)
+                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, POLY_QUARTERS, J)
             it += n_tiles
     else:
         it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
             slices_ptr, smem, qh, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
             cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT,
-            J)
+            POLY_QUARTERS, J)
     if q_held == 1:
         _release_query(q_free, qh)
 
@@ -564,7 +603,7 @@ def _consume_item(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
 ):
     """This warpgroup's item number ``wi`` of its program, item ``w`` of the list (``work`` decoded), once its
     query half has landed; returns ``(it, n_blk)`` advanced (``_consume_work``)."""
@@ -573,7 +612,7 @@ def _consume_item(
     mbarrier.wait(q_ready.index(qh), phase)
     it, n_blk = _consume_work(ptrs, smem, scalars, work, qh, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                               HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING,
-                              IS_KV_SPLIT, Q_BUFS, J)
+                              IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, J)
     return it, n_blk
 
 
@@ -583,7 +622,8 @@ def _ws_consumer(
     D: gl.constexpr, DV: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, J: gl.constexpr,
+    IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr,
+    J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     order_ptrs = ptrs[7]
@@ -598,7 +638,7 @@ def _ws_consumer(
         while w < n_work:
             it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, D, DV, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
-                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS, J)
+                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -610,7 +650,7 @@ def _ws_consumer(
                 it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk, D,
                                           DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
                                           HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS,
-                                          J)
+                                          POLY_QUARTERS, J)
                 wi += 1
 
 
@@ -621,12 +661,12 @@ def _ws_consumer_1(
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
     IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
-    Q_BUFS: gl.constexpr,
+    Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, 1,
     )
 
 
@@ -646,7 +686,7 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
     IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
-    ticket_ptr,
+    POLY_QUARTERS: gl.constexpr, ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
@@ -708,11 +748,11 @@ def range_attn_fwd_sm90_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT,
-                        Q_BUFS, 0)),
+                        Q_BUFS, POLY_QUARTERS, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                           HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
-                          IS_MERGING, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS)),
+                          IS_MERGING, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS)),
         (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
-                        IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS)),
+                        IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS)),
     ], [4, 1], [240, 24])
