@@ -13,6 +13,8 @@
 #          the FMA pipe (FwdConfig.poly_exp2: sm90pppmax1, sm90pppmax2), and none (scratch, output wrong: what
 #          MUFU's share costs; export first: bash scripts/ab_export.sh 78a0192 noexp
 #          scripts/pending/fwd_no_exp2.patch), on head dims 64 and 128, with their GPU test;
+#   rowint the forward's edge tiles masked by one key interval per row (FwdConfig.row_intervals: sm90pppmar,
+#          sm90pppmakr), their bitwise GPU test, then the A/B against the default;
 #   bexp2  the backward's half (bhalfpoly: bash scripts/ab_export.sh 78a0192 bhalfpoly scripts/pending/bwd_exp2_half_poly.patch)
 #          against its default;
 #   exp2bench  after exp2: the polynomial config that won at head dim 64 made that default in the call's copy
@@ -53,7 +55,7 @@ ab() {  # name, time limit (s), ab.py args...
   timeout "$limit" python scripts/ab.py --reps 11 --out "$OUT/$name" "$@" > "$OUT/ab_$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"; grep -E "^\| |ms  \(|^!!!" "$OUT/ab_$name.log"; grep -i "fail\|error" "$OUT/ab_$name.log" | head -5
 }
-STEPS="${STEPS:-exp2 dqparts}"
+STEPS="${STEPS:-rowint exp2 exp2bench}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # ADAPTIVE_OK=1 when an earlier call's tests step passed (the adaptive configs then join without rerunning it).
 adaptive_ok="${ADAPTIVE_OK:-0}"
@@ -64,6 +66,15 @@ if has exp2; then
   # Their own GPU test (NaN where it is read); the fuzz of 300 masks each is left to the whole suite.
   SUITE_K="poly_exp2" LIMIT=120 PROCS=2 OUT="$OUT/ptests" bash scripts/gpu_suite.sh > "$OUT/ptests.log" 2>&1
   tail -n 5 "$OUT/ptests.log"
+fi
+if has rowint; then
+  # Edge tiles masked by one key interval per row (FwdConfig.row_intervals): its bitwise GPU test, then the
+  # A/B against the default (bitwise everywhere by construction; ab.py's check column shows it).
+  SUITE_K="row_intervals" LIMIT=200 PROCS=6 OUT="$OUT/rtests" bash scripts/gpu_suite.sh > "$OUT/rtests.log" 2>&1
+  tail -n 5 "$OUT/rtests.log"
+  ab rowint 240 --fuzz 2 --fwd main:default --fwd main:sm90pppmar_m128_n128_w4_s3 \
+    --fwd main:sm90pppmakr_m128_n128_w4_s2 \
+    --cases doc128-32k,doc16-32k,doc1024-32k,causal-8k,swa2048-32k,doc128-32k-d64,causal-8k-d64,full-8k
 fi
 if has bexp2; then
   ab bexp2 150 --fuzz 3 --fuzz-d 64 --bwd main:default --bwd bhalfpoly:default \

@@ -153,6 +153,11 @@ def forward_builds():
          _docs(300, 9), 0.0, False, False),
         ("d64-fp16-documents-softcap-maxlogits-gluon-adaptive", 64, 64, torch.float16, "sm90pppma_m128_n128_w4_s3",
          _docs(300, 9), 30.0, True, False),
+        # Edge tiles masked by one key interval per row (merged tiles: per-row bounds as columns).
+        ("d64-bf16-documents-gluon-adaptive-row-intervals", 64, 64, torch.bfloat16, "sm90pppmar_m128_n128_w4_s3",
+         _docs(300, 9), 0.0, False, False),
+        ("d128-bf16-documents-softcap-maxlogits-gluon-adaptive-split-kv-row-intervals", 128, 128, torch.bfloat16,
+         "sm90pppmakr_m128_n128_w4_s2", _docs(300, 9), 30.0, True, False),
         # A quarter or half of the probabilities' exponentials by the polynomial (softcap: its own exponential
         # stays on MUFU).
         ("d64-bf16-documents-gluon-adaptive-poly-quarter", 64, 64, torch.bfloat16, "sm90pppmax1_m128_n128_w4_s3",

@@ -642,6 +642,35 @@ def test_hopper_dynamic_schedule_is_bitwise_the_same(kind, config, D):
         assert torch.equal(out, fixed[0]) and torch.equal(lse, fixed[1])
 
 
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernel runs on compute capability 9 only")
+@pytest.mark.parametrize("config, base", [("sm90pppmar_m128_n128_w4_s3", "sm90pppma_m128_n128_w4_s3"),
+                                          ("sm90pppmakr_m128_n128_w4_s2", "sm90pppmak_m128_n128_w4_s2")],
+                         ids=["adaptive", "adaptive-split-kv"])
+@pytest.mark.parametrize("D, softcap", [(64, 0.0), (128, 0.0), (128, 20.0)], ids=["d64", "d128", "d128-softcap"])
+@pytest.mark.parametrize("kind", ["causal", "doc16", "window", "random", "short"])
+def test_hopper_row_intervals_are_bitwise_the_inequalities(kind, config, base, D, softcap):
+    """An edge tile's mask as one key interval per row (``FwdConfig.row_intervals``) selects exactly the cells
+    of the four inequalities per cell: the same bits on every mask kind, merged tiles ("short") and every
+    slice type ("random") included, and 300 random masks with garbage and empty slices at odd sizes."""
+    T = 8191
+    q, k, v = make_qkv(T, T, 8, 2, D, D, torch.bfloat16, DEV, seed=23)
+    qr, kr, mt = _short_mask(T, 700, 5) if kind == "short" else _mask(kind, T, 4)
+    want = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=base)
+    got = _run(q, k, v, qr, kr, mt, D ** -0.5, softcap, config=config)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if kind == "random" and softcap == 0.0:
+        rng = random.Random(D)
+        for case in range(300):
+            Tq, Tk = rng.choice([1, 17, 129, 300, 1000]), rng.choice([1, 31, 255, 640, 1001])
+            q, k, v = make_qkv(Tq, Tk, 4, 2, D, D, torch.float16, DEV, seed=case)
+            qr, kr, mt = random_slices(Tq, Tk, rng.randint(1, 9), seed=case, garbage=rng.random() < 0.3,
+                                       n_empty=rng.randint(0, 3))
+            want = _run(q, k, v, qr, kr, mt, D ** -0.5, config=base)
+            got = _run(q, k, v, qr, kr, mt, D ** -0.5, config=config)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (
+                f"case {case}: Tq={Tq} Tk={Tk} q_ranges={qr.tolist()} k_ranges={kr.tolist()} types={mt.tolist()}")
+
+
 # Causal documents whose heaviest block lies in a long document, or in short ones (T = 8191).
 _SCHEDULE_DOCS = {
     "causal": [8191],

@@ -467,9 +467,10 @@ def test_recorded_launch_passes_the_recorded_call_arguments(monkeypatch, max_log
 
 @pytest.mark.parametrize("config_name", ["sm90pppm_m128_n128_w4_s3", "sm90pppmd_m128_n128_w4_s3",
                                          "sm90pppma_m128_n128_w4_s3", "sm90pppmkq_m128_n128_w4_s2",
-                                         "sm90pppmax1_m128_n128_w4_s3", "sm90pppmax2_m128_n128_w4_s3"],
+                                         "sm90pppmax1_m128_n128_w4_s3", "sm90pppmax2_m128_n128_w4_s3",
+                                         "sm90pppmakr_m128_n128_w4_s2"],
                          ids=["fixed-share", "dynamic", "adaptive", "split-kv-two-query-blocks",
-                              "adaptive-poly-quarter", "adaptive-poly-half"])
+                              "adaptive-poly-quarter", "adaptive-poly-half", "adaptive-split-kv-row-intervals"])
 def test_recorded_gluon_launch_takes_this_calls_ticket(monkeypatch, config_name):
     """The Hopper kernel's last argument is its work counter: under a dynamic schedule each launch, the recorded
     ones too, gets a fresh zeroed counter (a reused one would start past the list and skip every item);
@@ -492,9 +493,9 @@ def test_recorded_gluon_launch_takes_this_calls_ticket(monkeypatch, config_name)
     fwd_mod._launch(q, k, v, out, lse, None, plan, D ** -0.5, 0.0, config, fwd_mod.plan_split(config.BLOCK_M),
                     True, False, "the-signature")
     (args,), recipe = launched, fwd_mod._RECIPES["the-signature"]
-    # IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS
-    assert args[-6] is config.dynamic and args[-5] is config.adaptive and args[-4] is config.split_kv
-    assert args[-3] == config.q_buffers and args[-2] == config.poly_exp2
+    # IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL
+    assert args[-7] is config.dynamic and args[-6] is config.adaptive and args[-5] is config.split_kv
+    assert args[-4] == config.q_buffers and args[-3] == config.poly_exp2 and args[-2] is config.row_intervals
     # A repeated call: new outputs, the recorded tail, this call's counter.
     out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
     again = fwd_mod._recorded_args(recipe, q, k, v, out2, lse2, None, plan)
@@ -581,7 +582,7 @@ def _jit_parameters(kernel):
 
 def test_hopper_kernel_takes_the_triton_kernels_arguments():
     """The launcher passes one argument list to either kernel: the Gluon kernel's parameters are the Triton
-    kernel's, in order, then its own ten (the last, the dynamic schedule's counter, a pointer); both leave the
+    kernel's, in order, then its own eleven (the last, the dynamic schedule's counter, a pointer); both leave the
     same sizes unspecialized."""
     pytest.importorskip("triton.experimental.gluon")
     from flashrange.kernels import forward as fwd
@@ -592,7 +593,8 @@ def test_hopper_kernel_takes_the_triton_kernels_arguments():
     assert gluon_params == triton_params + [("STAGES", True), ("NUM_WARPS", True), ("IS_PINGPONG", True),
                                             ("HAS_PACKED_HEADS", True), ("IS_DYNAMIC", True), ("IS_ADAPTIVE", True),
                                             ("IS_KV_SPLIT", True),
-                                            ("Q_BUFS", True), ("POLY_QUARTERS", True), ("ticket_ptr", False)]
+                                            ("Q_BUFS", True), ("POLY_QUARTERS", True), ("IS_ROW_INTERVAL", True),
+                                            ("ticket_ptr", False)]
     assert gluon_free == triton_free == ["GROUP", "Tk", "Tq"]
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "store_head_rows",
     "key_block",
     "dkdv_probs",
+    "row_cells",
     "dkdv_cells",
     "dkdv_accumulate",
     "key_span",
@@ -337,6 +338,21 @@ def dkdv_probs(k, q, lse2, qk_scale2, scale, softcap, HAS_SOFTCAP: tl.constexpr,
         th = qkT
         pT = tl.exp2(qkT * qk_scale2 - lse2[None, :])
     return pT, th
+
+
+@triton.jit
+def row_cells(offs_m, offs_n, row_ok, ks, ke, d_lo, d_hi):
+    """The slice's cells among rows ``offs_m`` by keys ``offs_n``: in row ``r`` the keys
+    ``[max(ks, r + d_lo), min(ke, r + d_hi + 1))``, none where ``row_ok`` is false: the four inequalities of
+    docs/design.md §2 folded into one interval per row, so a cell costs one unsigned compare of its key's offset
+    from the row's first key (docs/design.md, "Edge tiles")."""
+    r = offs_m[:, None]
+    # r + max(d_lo, ks - r) rather than max(ks, r + d_lo): no sum leaves int32 (|d_lo|, |d_hi| <= 2^30).
+    lo = r + tl.maximum(d_lo, ks - r)
+    hi = r + tl.minimum(d_hi + 1, ke - r)
+    width = tl.where(row_ok[:, None], tl.maximum(hi - lo, 0), 0)
+    # A key left of the interval wraps to a large unsigned offset.
+    return (offs_n[None, :] - lo).to(tl.uint32, bitcast=True) < width.to(tl.uint32, bitcast=True)
 
 
 @triton.jit

@@ -63,6 +63,7 @@ from .common import (
     packed_heads,
     plan_program,
     plan_split,
+    row_cells,
     run_compiled,
     sm_count,
     tma_aligned,
@@ -139,12 +140,9 @@ def _tile_step(
     else:
         s = qk * qk_scale
     if is_edge != 0:
-        # The slice's cells: rows and columns as vectors, the two
-        # diagonals with bounds that are +-inf-like when the type has no such diagonal.
-        j = offs_n[None, :]
-        diag = j - offs_m[:, None]
-        mask = row_ok[:, None] & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
-        s = tl.where(mask, s, float("-inf"))
+        # The slice's cells, one interval of keys per row (the diagonal bounds are +-inf-like when the
+        # type has no such diagonal).
+        s = tl.where(row_cells(offs_m, offs_n, row_ok, ks, ke, d_lo, d_hi), s, float("-inf"))
     if IS_SCALE_FOLDED:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
@@ -351,6 +349,9 @@ class FwdConfig:
     # the FMA pipe instead of MUFU, whose throughput bounds the softmax at head dim 64 (docs/design.md,
     # "Exponentials on two pipes").
     poly_exp2: int = 0
+    # Gluon only: an edge tile's element mask from one key interval per row, one unsigned compare per cell
+    # (the Triton kernel's form; docs/design.md, "Edge tiles"), instead of the four inequalities per cell.
+    row_intervals: bool = False
 
 
 # Every configuration the GPU tests force one by one (tests/test_gpu_forward.py);
@@ -396,6 +397,11 @@ FWD_CONFIGS = [
               persistent=True, merge=True, dynamic=True),
     FwdConfig("sm90pppma_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
               persistent=True, merge=True, dynamic=True, adaptive=True),
+    FwdConfig("sm90pppmar_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True, pingpong=True,
+              persistent=True, merge=True, dynamic=True, adaptive=True, row_intervals=True),
+    FwdConfig("sm90pppmakr_m128_n128_w4_s2", 128, 128, 4, 2, use_tma=True, warp_spec=True, gluon=True,
+              pingpong=True, persistent=True, merge=True, dynamic=True, adaptive=True, split_kv=True,
+              row_intervals=True),
     FwdConfig("sm90pppmax1_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True,
               pingpong=True, persistent=True, merge=True, dynamic=True, adaptive=True, poly_exp2=1),
     FwdConfig("sm90pppmax2_m128_n128_w4_s3", 128, 128, 4, 3, use_tma=True, warp_spec=True, gluon=True,
@@ -780,9 +786,9 @@ def _launch(q, k, v, out, lse, rowmax, plan, scale, softcap, config, split, use_
         if config.persistent and q.device.type == "cuda":
             grid = (min(grid[0], sm_count(q.device.index)),)
         # STAGES, NUM_WARPS, IS_PINGPONG, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS,
-        # POLY_QUARTERS, ticket_ptr
+        # POLY_QUARTERS, IS_ROW_INTERVAL, ticket_ptr
         args = args + (config.num_stages, config.num_warps, config.pingpong, packed_heads(q, k, v), config.dynamic,
-                       config.adaptive, config.split_kv, config.q_buffers, config.poly_exp2,
+                       config.adaptive, config.split_kv, config.q_buffers, config.poly_exp2, config.row_intervals,
                        _ticket(config.dynamic, lse))
     try:
         if sig is None:

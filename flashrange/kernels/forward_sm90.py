@@ -96,20 +96,40 @@ def _exp2_mixed(x, POLY_QUARTERS: gl.constexpr):
 
 
 @gluon.jit
+def _row_cells(s, offs_m, k_tile, row_ok, ks, ke, d_lo, d_hi):
+    """The slice's cells of a score tile whose first key is ``k_tile``: in row ``r`` the keys
+    ``[max(ks, r + d_lo), min(ke, r + d_hi + 1))``, none where ``row_ok`` is false (docs/design.md, "Edge
+    tiles"). ``ks``, ``ke``, ``d_lo``, ``d_hi``: scalars, or ``[rows, 1]`` columns for merged tiles."""
+    r = gl.expand_dims(offs_m, 1)
+    # r + max(d_lo, ks - r) rather than max(ks, r + d_lo): no sum leaves int32 (|d_lo|, |d_hi| <= 2^30).
+    lo = r + gl.maximum(d_lo, ks - r) - k_tile
+    hi = r + gl.minimum(d_hi + 1, ke - r) - k_tile
+    width = gl.where(gl.expand_dims(row_ok, 1), gl.maximum(hi - lo, 0), 0)
+    col = gl.expand_dims(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), 0)
+    # One unsigned compare per cell: a column left of the interval wraps to a large offset.
+    return (col - lo).to(gl.uint32, bitcast=True) < width.to(gl.uint32, bitcast=True)
+
+
+@gluon.jit
 def _softmax_step(
-    s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
+    s, m_i, l_i, offs_m, k_tile, is_edge, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
     HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, POLY_QUARTERS: gl.constexpr,
+    IS_ROW_INTERVAL: gl.constexpr,
 ):
-    """Scores of one tile to probabilities (base 2): ``(p, alpha, m_new, l_new)``; same rules as the Triton kernel."""
+    """Scores of one tile (its first key ``k_tile``) to probabilities (base 2): ``(p, alpha, m_new, l_new)``; same
+    rules as the Triton kernel."""
     if HAS_SOFTCAP:
         e = gl.exp2(s * cap_in)
         s = cap_out * (1.0 - 2.0 / (e + 1.0))
     elif not IS_SCALE_FOLDED:
         s = s * qk_scale
     if is_edge:
-        j = gl.expand_dims(offs_n, 0)
-        diag = j - gl.expand_dims(offs_m, 1)
-        mask = gl.expand_dims(row_ok, 1) & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
+        if IS_ROW_INTERVAL:
+            mask = _row_cells(s, offs_m, k_tile, row_ok, ks, ke, d_lo, d_hi)
+        else:
+            j = gl.expand_dims(k_tile + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), 0)
+            diag = j - gl.expand_dims(offs_m, 1)
+            mask = gl.expand_dims(row_ok, 1) & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
         s = gl.where(mask, s, float("-inf"))
     if IS_SCALE_FOLDED:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -322,7 +342,7 @@ def _ws_producer(
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
     IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
-    Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr,
+    Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr,
 ):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     order_ptrs = ptrs[7]
@@ -384,7 +404,8 @@ def _consume_tiles(
     smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi, is_last, row_ok, ks, ke,
     d_lo, d_hi, qk_scale, cap_in, cap_out, dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
     BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr,
-    IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr, POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
+    IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr, POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr,
+    J: gl.constexpr,
 ):
     """``n_tiles`` key tiles from ``k_lo`` (ring tiles from ``it``) into one warpgroup's online softmax; tiles
     ``[n_full_lo, n_full_hi)`` skip the element mask. The mask's ``row_ok``, ``ks``, ``ke``, ``d_lo``, ``d_hi``
@@ -399,7 +420,6 @@ def _consume_tiles(
     HALF: gl.constexpr = q_half.shape[0]
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=mma_s)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-    col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     if IS_PINGPONG:
         if n_tiles > 0:
@@ -418,9 +438,9 @@ def _consume_tiles(
                 _release_query(q_free, qh)
                 q_held = 0
             is_edge = (n_full_lo > 0) | (n_full_hi <= 0)
-            offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_s)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, k_lo, is_edge, row_ok, ks, ke, d_lo, d_hi,
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS,
+                                               IS_ROW_INTERVAL)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             prev = slot
@@ -445,9 +465,9 @@ def _consume_tiles(
                     _release_query(q_free, qh)
                     q_held = 0
                 is_edge = (t < n_full_lo) | (t >= n_full_hi)
-                offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo,
-                                                   d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, k_lo + t * BLOCK_N, is_edge, row_ok, ks, ke,
+                                                   d_lo, d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP,
+                                                   IS_SCALE_FOLDED, POLY_QUARTERS, IS_ROW_INTERVAL)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # acc holds every tile up to t - 1 in the scale of m_{t-1}: alpha_t moves it to m_t.
@@ -469,9 +489,10 @@ def _consume_tiles(
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
             is_edge = (t < n_full_lo) | (t >= n_full_hi)
-            offs_n = k_lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, is_edge, row_ok, ks, ke, d_lo, d_hi,
-                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, k_lo + t * BLOCK_N, is_edge, row_ok, ks, ke, d_lo,
+                                               d_hi,
+                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS,
+                                               IS_ROW_INTERVAL)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
@@ -500,7 +521,7 @@ def _consume_slices(
     slices_ptr, smem, qh, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in, cap_out,
     dtype: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     IS_SCALE_FOLDED: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
-    POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
+    POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, J: gl.constexpr,
 ):
     """One warpgroup's rows ``offs_m`` (``[h0, h0 + HALF)``) over the window's slices one by one, each slice's
     tiles from its first reachable key; returns ``(it, n_blk, q_held, acc, m_i, l_i)``."""
@@ -510,7 +531,7 @@ def _consume_slices(
         n_blk, q_held, acc, m_i, l_i = _consume_tiles(
             smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
             s_idx == s_hi - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o, BLOCK_N,
-            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, POLY_QUARTERS, J)
+            HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, POLY_QUARTERS, IS_ROW_INTERVAL, J)
         it += n_tiles
     return it, n_blk, q_held, acc, m_i, l_i
 
@@ -521,7 +542,8 @@ def _consume_work(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr,
+    J: gl.constexpr,
 ):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of a work item (``work`` decoded), on one warpgroup, its query half
     in buffer ``qh``: ring tiles from ``it``, ping-pong blocks from ``n_blk``; returns both advanced. The query
@@ -570,13 +592,14 @@ def _consume_work(
             n_blk, q_held, acc, m_i, l_i = _consume_tiles(
                 smem, qh, it, n_blk, q_held, acc, m_i, l_i, offs_m, k_lo, n_tiles, n_full_lo, n_full_hi,
                 run == n_runs - 1, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out, dtype, mma_s, mma_o,
-                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, POLY_QUARTERS, J)
+                BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT, POLY_QUARTERS, IS_ROW_INTERVAL,
+                J)
             it += n_tiles
     else:
         it, n_blk, q_held, acc, m_i, l_i = _consume_slices(
             slices_ptr, smem, qh, s_lo, s_hi, r0, r1, h0, it, n_blk, q_held, acc, m_i, l_i, offs_m, qk_scale, cap_in,
             cap_out, dtype, mma_s, mma_o, BLOCK_N, HAS_SOFTCAP, IS_SCALE_FOLDED, STAGES, IS_PINGPONG, IS_KV_SPLIT,
-            POLY_QUARTERS, J)
+            POLY_QUARTERS, IS_ROW_INTERVAL, J)
     if q_held == 1:
         _release_query(q_free, qh)
 
@@ -603,7 +626,8 @@ def _consume_item(
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
-    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, J: gl.constexpr,
+    IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr,
+    J: gl.constexpr,
 ):
     """This warpgroup's item number ``wi`` of its program, item ``w`` of the list (``work`` decoded), once its
     query half has landed; returns ``(it, n_blk)`` advanced (``_consume_work``)."""
@@ -612,7 +636,7 @@ def _consume_item(
     mbarrier.wait(q_ready.index(qh), phase)
     it, n_blk = _consume_work(ptrs, smem, scalars, work, qh, it, n_blk, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                               HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING,
-                              IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, J)
+                              IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL, J)
     return it, n_blk
 
 
@@ -623,6 +647,7 @@ def _ws_consumer(
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, IS_MERGING: gl.constexpr,
     IS_DYNAMIC: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr,
+    IS_ROW_INTERVAL: gl.constexpr,
     J: gl.constexpr,
 ):
     """Half ``J`` of every work item of this program, on one warpgroup."""
@@ -638,7 +663,8 @@ def _ws_consumer(
         while w < n_work:
             it, n_blk = _consume_item(ptrs, smem, scalars, read_work(sched), w, wi, it, n_blk, D, DV, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS,
-                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, J)
+                                      STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS,
+                                      IS_ROW_INTERVAL, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -650,7 +676,7 @@ def _ws_consumer(
                 it, n_blk = _consume_item(ptrs, smem, scalars, (pid_h, r0, r1, s_lo, s_hi), w, wi, it, n_blk, D,
                                           DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
                                           HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_KV_SPLIT, Q_BUFS,
-                                          POLY_QUARTERS, J)
+                                          POLY_QUARTERS, IS_ROW_INTERVAL, J)
                 wi += 1
 
 
@@ -661,12 +687,13 @@ def _ws_consumer_1(
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr, STAGES: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
     IS_MERGING: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr,
-    Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr,
+    Q_BUFS: gl.constexpr, POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr,
 ):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _ws_consumer(
         ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, IS_SCALE_FOLDED,
-        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, 1,
+        HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS,
+        IS_ROW_INTERVAL, 1,
     )
 
 
@@ -686,7 +713,7 @@ def range_attn_fwd_sm90_ws_kernel(
     IS_INT64: gl.constexpr, HAS_MAX_LOGITS: gl.constexpr, IS_ONE_SLICE: gl.constexpr, IS_MERGING: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_PINGPONG: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr,
     IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr, IS_KV_SPLIT: gl.constexpr, Q_BUFS: gl.constexpr,
-    POLY_QUARTERS: gl.constexpr, ticket_ptr,
+    POLY_QUARTERS: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, ticket_ptr,
 ):
     """The Triton kernel's parameters, grid and program order, plus ``STAGES``, ``NUM_WARPS``,
     ``IS_PINGPONG`` (the consumers take turns issuing their matmuls), ``HAS_PACKED_HEADS`` (each row
@@ -748,11 +775,11 @@ def range_attn_fwd_sm90_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, IS_MERGING, IS_DYNAMIC, IS_KV_SPLIT,
-                        Q_BUFS, POLY_QUARTERS, 0)),
+                        Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL, 0)),
         (_ws_consumer_1, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                           HAS_SOFTCAP, IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS,
-                          IS_MERGING, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS)),
+                          IS_MERGING, IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL)),
         (_ws_producer, (ptrs, smem, scalars, sched, D, DV, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
                         IS_SCALE_FOLDED, HAS_MAX_LOGITS, STAGES, IS_PINGPONG, HAS_PACKED_HEADS, IS_MERGING,
-                        IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS)),
+                        IS_DYNAMIC, IS_ADAPTIVE, IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL)),
     ], [4, 1], [240, 24])
