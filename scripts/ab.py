@@ -60,7 +60,7 @@ def backward_config(spec, config_cls):
     chunks = [int(f[len("chunks"):]) for f in flags if f.startswith("chunks")]
     # Only when asked for: an exported earlier flashrange's BwdConfig may not have the field.
     extra = {name: True for flag, name in (("adaptive", "adaptive"), ("atomic", "atomic_dq"),
-                                           ("fixed", "fixed_point_dq")) if flag in flags}
+                                           ("fixed", "fixed_point_dq"), ("rows", "row_intervals")) if flag in flags}
     return config_cls(*[int(x) for x in parts[:8]], gluon_dkdv="dkdv" in flags, gluon_dq="dq" in flags,
                       persistent="persistent" in flags, dynamic="dynamic" in flags, fused_dq="fused" in flags,
                       kv_head_chunks=chunks[0] if chunks else 1, **extra)

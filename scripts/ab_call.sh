@@ -13,8 +13,8 @@
 #          the FMA pipe (FwdConfig.poly_exp2: sm90pppmax1, sm90pppmax2), and none (scratch, output wrong: what
 #          MUFU's share costs; export first: bash scripts/ab_export.sh 78a0192 noexp
 #          scripts/pending/fwd_no_exp2.patch), on head dims 64 and 128, with their GPU test;
-#   rowint the forward's edge tiles masked by one key interval per row (FwdConfig.row_intervals: sm90pppmar,
-#          sm90pppmakr), their bitwise GPU test, then the A/B against the default;
+#   rowint edge tiles masked by one interval per row or key (FwdConfig.row_intervals: sm90pppmar, sm90pppmakr;
+#          BwdConfig.row_intervals, flag "rows"), their bitwise GPU tests, then the A/Bs against the defaults;
 #   bexp2  the backward's half (bhalfpoly: bash scripts/ab_export.sh 78a0192 bhalfpoly scripts/pending/bwd_exp2_half_poly.patch)
 #          against its default;
 #   exp2bench  after exp2: the polynomial config that won at head dim 64 made that default in the call's copy
@@ -75,6 +75,13 @@ if has rowint; then
   ab rowint 240 --fuzz 2 --fwd main:default --fwd main:sm90pppmar_m128_n128_w4_s3 \
     --fwd main:sm90pppmakr_m128_n128_w4_s2 \
     --cases doc128-32k,doc16-32k,doc1024-32k,causal-8k,swa2048-32k,doc128-32k-d64,causal-8k-d64,full-8k
+  # The backward's (BwdConfig.row_intervals, flag "rows"), against the defaults' shapes at head dims 128 and 64
+  # (dynamic: the short-slot default; the bitwise check is against main:default, whose schedule has the same bits).
+  ab browint 240 --fuzz 2 --bwd main:default --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+dynamic+rows" \
+    --bwd "main:64,128,8,3,128,64,8,3,dkdv+dq+persistent+rows" --cases doc128-32k,doc16-32k,causal-8k,swa2048-32k
+  ab browint64 150 --fuzz 2 --fuzz-d 64 --bwd main:default \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+dq+persistent+dynamic+rows" \
+    --bwd "main:64,128,8,3,128,128,8,3,dkdv+dq+persistent+rows" --cases doc128-32k-d64,doc16-32k-d64,causal-8k-d64
 fi
 if has bexp2; then
   ab bexp2 150 --fuzz 3 --fuzz-d 64 --bwd main:default --bwd bhalfpoly:default \

@@ -262,6 +262,17 @@ def backward_builds():
               ("d64-fp16-softcap-dlse-adaptive-gluon", 64, 64, torch.float16, 20.0, True, False,
                bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
                              dynamic=True, adaptive=True))]
+    # ... and with edge tiles masked by one interval per row or key: dK/dV held by rows (head dims 64 and 128)
+    # and by keys (head dim 96 padded to 128), with softcap and a gradient through lse.
+    cases += [("d64-bf16-row-intervals-gluon", 64, 64, torch.bfloat16, 0.0, False, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 128, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             row_intervals=True)),
+              ("d128-bf16-softcap-dlse-row-intervals-gluon", 128, 128, torch.bfloat16, 30.0, True, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             dynamic=True, row_intervals=True)),
+              ("d96-fp16-row-intervals-gluon", 96, 96, torch.float16, 0.0, False, False,
+               bwd.BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, gluon_dkdv=True, gluon_dq=True, persistent=True,
+                             row_intervals=True))]
     for name, D, Dv, dtype, softcap, with_dlse, int64, *forced in cases:
         # As on a Hopper GPU: the default config takes the Gluon kernels.
         bwd._has_gluon_sm90 = (lambda index=None: True) if name.endswith("-gluon") else (lambda index=None: False)

@@ -362,14 +362,14 @@ def test_offsets_past_int32_in_a_strided_view():
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _gluon_config(D, Dv, dtype, persistent=False, dynamic=False, adaptive=False):
+def _gluon_config(D, Dv, dtype, persistent=False, dynamic=False, adaptive=False, row_intervals=False):
     import dataclasses
 
     from flashrange.kernels.backward import default_config
 
     return dataclasses.replace(default_config(D, Dv, dtype, torch.device(DEV)), kv_block_n=128, q_block_m=128,
                                gluon_dkdv=True, gluon_dq=True, persistent=persistent, dynamic=dynamic,
-                               adaptive=adaptive, kv_head_chunks=1)
+                               adaptive=adaptive, kv_head_chunks=1, row_intervals=row_intervals)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels are the default on compute capability 9 only")
@@ -564,6 +564,31 @@ def test_gluon_backward_dynamic_schedule_is_bitwise_the_same(D, kind, adaptive):
                                                                    dynamic=True, adaptive=adaptive))
         for a, b in zip((dq, dk, dv), got):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon kernels run on compute capability 9 only")
+@pytest.mark.parametrize("kind", ["documents", "causal", "short"])
+@pytest.mark.parametrize("D, Dv, softcap", [(128, 128, 0.0), (64, 64, 0.0), (128, 128, 20.0), (64, 128, 0.0),
+                                            (96, 96, 0.0)],
+                         ids=["d128", "d64", "d128-softcap", "d64-dv128", "d96"])
+def test_gluon_backward_row_intervals_are_bitwise_the_inequalities(D, Dv, softcap, kind):
+    """Edge tiles masked by one interval per row or key (``BwdConfig.row_intervals``) give the bits of the four
+    inequalities per cell, in both kernels and both dK/dV tile orientations (held by rows at head dims 64 and
+    128, by keys at 96 and with Dv 128), on documents with every slice type, a causal mask and short slices."""
+    T = 8191
+    if kind == "short":
+        rows = short_slice_rows(T, T, 300, random.Random(3))
+    else:
+        rows = _backward_schedule_rows(T, kind)
+    (dq, dk, dv), (q, k, v, do, out, lse, dlse, *_) = _three_way(
+        T, T, 8, 4, D, Dv, rows, torch.bfloat16, softcap=softcap, seed=13, golden=False,
+        config=_gluon_config(D, Dv, torch.bfloat16, persistent=True))
+    qr, kr, mt = _ranges(rows)
+    got = range_attention_backward_triton(do, q, k, v, out, lse, qr, kr, mt, None, softcap, dlse,
+                                          config=_gluon_config(D, Dv, torch.bfloat16, persistent=True,
+                                                               row_intervals=True))
+    for a, b in zip((dq, dk, dv), got):
+        assert torch.equal(a, b)
 
 
 def _backward_schedule_rows(T, kind):

@@ -207,6 +207,11 @@ def test_default_configs_and_config_checks():
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic="yes")
     with pytest.raises(ValueError, match="dynamic schedules a persistent grid"):
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, dynamic=True)
+    with pytest.raises(ValueError, match="row_intervals applies to the Gluon kernels"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, row_intervals=True)
+    with pytest.raises(ValueError, match="must be a bool"):
+        BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, row_intervals=1)
+    assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dkdv=True, row_intervals=True).row_intervals
     assert BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True).dynamic
     with pytest.raises(ValueError, match="must be a bool"):
         BwdConfig(32, 128, 4, 1, 128, 64, 4, 1, gluon_dq=True, persistent=True, dynamic=True, adaptive=1)

@@ -62,6 +62,7 @@ from .common import (
     plan_program,
     plan_split,
     query_span,
+    row_cells,
     slice_diagonals,
     slice_row,
     sm_count,
@@ -265,10 +266,7 @@ def _dq_tiles(
             p = tl.exp2(qk * qk_scale2 - lse2[:, None])
         if IS_MASKED:
             # Keys outside [n_lo, n_hi) were loaded as zeros: mask them with the rows and diagonals.
-            diag = offs_n[None, :] - offs_m[:, None]
-            cell = (((offs_m >= qs) & (offs_m < qe))[:, None] & ((offs_n >= n_lo) & (offs_n < n_hi))[None, :]
-                    & (diag <= d_hi) & (diag >= d_lo))
-            p = tl.where(cell, p, 0.0)
+            p = tl.where(row_cells(offs_m, offs_n, (offs_m >= qs) & (offs_m < qe), n_lo, n_hi, d_lo, d_hi), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -415,10 +413,13 @@ class BwdConfig:
     # group; 1 never splits. A call without a config picks it from the shapes (kv_head_chunks_for), a config
     # passed in is taken as it is. Deterministic either way, but the bits of dK/dV depend on it.
     kv_head_chunks: int = 1
+    # The Gluon kernels mask an edge tile by one interval per row or key, one unsigned compare per cell, instead
+    # of the four inequalities per cell (the same cells; the Triton kernels' form; docs/design.md, "Edge tiles").
+    row_intervals: bool = False
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq"):
+            if f.name in ("gluon_dkdv", "gluon_dq", "persistent", "dynamic", "adaptive", "fused_dq", "row_intervals"):
                 if not isinstance(getattr(self, f.name), bool):
                     raise ValueError(f"BwdConfig.{f.name} must be a bool, got {getattr(self, f.name)!r}")
                 continue
@@ -444,6 +445,9 @@ class BwdConfig:
         if self.dynamic and not self.persistent:
             raise ValueError("BwdConfig.dynamic schedules a persistent grid: set persistent too, or leave dynamic "
                              "False")
+        if self.row_intervals and not (self.gluon_dkdv or self.gluon_dq):
+            raise ValueError("BwdConfig.row_intervals applies to the Gluon kernels (the Triton ones always use them): "
+                             "set gluon_dkdv or gluon_dq too, or leave row_intervals False")
         if self.adaptive and not self.dynamic:
             raise ValueError("BwdConfig.adaptive chooses per launch whether the dynamic schedule takes the counter: "
                              "set dynamic (and persistent) too, or leave adaptive False")
@@ -657,10 +661,11 @@ def _backward(dout, q, k, v, out, lse, q_ranges, k_ranges, mask_types, softmax_s
                     # The Triton kernel below (a fallback) keeps the full grid.
                     persistent = cfg.persistent and dev.type == "cuda"
                     gluon_grid = (min(grid[0], sm_count(dev.index)),) if persistent else grid
-                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, ticket_ptr (the workspace
-                    # stands in for a counter the kernel does not touch)
+                    # STAGES, NUM_WARPS, HAS_PACKED_HEADS, IS_DYNAMIC, IS_ADAPTIVE, IS_ROW_INTERVAL, ticket_ptr
+                    # (the workspace stands in for a counter the kernel does not touch)
                     launch(_gluon_kernel(name), gluon_grid,
-                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive, ticket),
+                           args + (stages, 4, packed_heads(q, *kv, dout), dynamic, dynamic and cfg.adaptive,
+                                   cfg.row_intervals, ticket),
                            num_warps=4, maxnreg=WS_MAXNREG)
                     continue
                 except Exception as e:  # noqa: BLE001 - a Gluon kernel that does not build; others re-raise

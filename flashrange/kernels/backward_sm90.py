@@ -51,9 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..constants import BWD_DYNAMIC_MAX_LEN
 from .common import (DEV_LOG2E, DEV_NO_DIAGONAL, full_row_run, key_span, plan_program, query_span,
                      slice_diagonals)
-from .sm90_common import (bounded_desc, cta_barrier, issue_run, load_slice, next_item, nth_work, packed_qkv,
-                          post_item, read_ticket, read_work, sched_buffers, store_rows, takes_tickets, tma_load,
-                          wait_halves_free)
+from .sm90_common import (bounded_desc, cta_barrier, issue_run, key_cells, load_slice, next_item, nth_work,
+                          packed_qkv, post_item, read_ticket, read_work, row_cells, sched_buffers, store_rows,
+                          takes_tickets, tma_load, wait_halves_free)
 
 __all__ = ["bwd_dkdv_sm90_kernel", "bwd_dq_sm90_kernel"]
 
@@ -72,17 +72,24 @@ def _slice_rows(slices_ptr, s, c0, c1, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi):
-    """The slice's cells of a (keys x rows) tile; rows outside the slice already have p = 0 through lse."""
-    diag = gl.expand_dims(offs_n, 1) - gl.expand_dims(offs_m, 0)
-    return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 1) & (diag <= d_hi) & (diag >= d_lo)
+def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL: gl.constexpr):
+    """The slice's cells of a (keys x rows) tile; rows outside the slice already have p = 0 through lse. With
+    ``IS_ROW_INTERVAL`` one interval of rows per key (``sm90_common.key_cells``, the same cells)."""
+    if IS_ROW_INTERVAL:
+        return key_cells(offs_n, offs_m, ks, ke, d_lo, d_hi)
+    else:
+        diag = gl.expand_dims(offs_n, 1) - gl.expand_dims(offs_m, 0)
+        return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 1) & (diag <= d_hi) & (diag >= d_lo)
 
 
 @gluon.jit
-def _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi):
-    """``_cell`` of a (rows x keys) tile."""
-    diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
-    return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 0) & (diag <= d_hi) & (diag >= d_lo)
+def _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL: gl.constexpr):
+    """``_cell`` of a (rows x keys) tile (``sm90_common.row_cells`` with ``IS_ROW_INTERVAL``)."""
+    if IS_ROW_INTERVAL:
+        return row_cells(offs_m, offs_n, 0, offs_m >= 0, ks, ke, d_lo, d_hi)
+    else:
+        diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
+        return gl.expand_dims((offs_n >= ks) & (offs_n < ke), 0) & (diag <= d_hi) & (diag >= d_lo)
 
 
 @gluon.jit
@@ -125,19 +132,19 @@ def _tile_rows(lse2_head_ptr, delta_head_ptr, r, m_hi, layout: gl.constexpr, BLO
 
 @gluon.jit
 def _dkdv_scores(qkT, dpT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
-                 HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
+                 HAS_SOFTCAP: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """P^T and dS^T of one tile from its S^T and dP^T (keys by rows), masked at the slice's cells."""
     pT, th = _probs(qkT, lse2, qk_scale2, scale, softcap, 0, HAS_SOFTCAP)
     is_edge = (r < f_lo) | (r + BLOCK_M > f_hi)
     if is_edge:
-        pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), pT, 0.0)
+        pT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL), pT, 0.0)
     dsT = pT * (dpT - gl.expand_dims(delta, 0))
     if HAS_SOFTCAP:
         dsT = dsT * (1.0 - th * th)
     if is_edge:
         # A key of the block that these rows do not read may hold NaN in v (dpT):
         # 0 * NaN must not reach its dK.
-        dsT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi), dsT, 0.0)
+        dsT = gl.where(_cell(offs_n, offs_m, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL), dsT, 0.0)
     return pT, dsT
 
 
@@ -149,7 +156,8 @@ def _opaque(x):
 
 @gluon.jit
 def _dkdv_scores_rows(s, dp, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi, qk_scale2, scale, softcap,
-                      key_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
+                      key_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr,
+                      BLOCK_M: gl.constexpr):
     """``_dkdv_scores`` of a tile held by rows (``S`` and ``dP``, rows by keys): ``P`` and ``dS``."""
     HALF: gl.constexpr = s.shape[1]
     p, th = _probs(s, lse2, qk_scale2, scale, softcap, 1, HAS_SOFTCAP)
@@ -162,7 +170,7 @@ def _dkdv_scores_rows(s, dp, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_l
         # it costs a register per key column the thread owns. Masking P and dS at the end gives the same values
         # as masking P before dS: a masked cell's dS is zero either way (a NaN of v included).
         offs_n = _opaque(n0) + gl.arange(0, HALF, layout=key_s)
-        cell = _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi)
+        cell = _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL)
         p = gl.where(cell, p, 0.0)
         ds = gl.where(cell, ds, 0.0)
     return p, ds
@@ -222,7 +230,8 @@ def _produce_dkdv_work(ptrs, smem, scalars, work, it, n_pairs, last_a, last_b, p
 def _producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
               HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
+              IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
+              IS_ROW_INTERVAL: gl.constexpr):
     q_ptr, k_ptr, v_ptr, do_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     Tq, Tk, Hq, Hkv = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -292,7 +301,7 @@ def _store_dkdv(dk, dv, ptrs, scalars, pid_hk, n0, BLOCK_D: gl.constexpr, BLOCK_
 def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        STAGES: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                       IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
+                       IS_DV_PADDED: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, J: gl.constexpr):
     """Keys ``[c0 + J * BLOCK_N / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``;
     returns ``it`` advanced. The K and V halves are released after their last matmul.
 
@@ -386,13 +395,15 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
                     dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(p_slot), dk, is_async=True)
                     sv, dpv = warpgroup_mma_wait(2, deps=(qk, dp))
                     p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
-                                              d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
+                                              d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, IS_ROW_INTERVAL,
+                                              BLOCK_M)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                     mbarrier.arrive(empty.index(p_slot), count=1)
                 else:
                     sv, dpv = warpgroup_mma_wait(0, deps=(qk, dp))
                     p, ds = _dkdv_scores_rows(sv, dpv, lse2, delta, n0, offs_m, r, f_lo, f_hi, ks, ke, d_lo,
-                                              d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, BLOCK_M)
+                                              d_hi, qk_scale2, scale, softcap, key_s, HAS_SOFTCAP, IS_ROW_INTERVAL,
+                                              BLOCK_M)
             else:
                 qkT = warpgroup_mma(k_half, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
                 dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
@@ -401,13 +412,13 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
                     dk = warpgroup_mma(dst_op, q_smem.index(p_slot), dk, is_async=True)
                     sT, dT = warpgroup_mma_wait(2, deps=(qkT, dpT))
                     pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                           qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                                           qk_scale2, scale, softcap, HAS_SOFTCAP, IS_ROW_INTERVAL, BLOCK_M)
                     dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
                     mbarrier.arrive(empty.index(p_slot), count=1)
                 else:
                     sT, dT = warpgroup_mma_wait(0, deps=(qkT, dpT))
                     pT, dsT = _dkdv_scores(sT, dT, lse2, delta, offs_n, offs_m, r, f_lo, f_hi, ks, ke, d_lo, d_hi,
-                                           qk_scale2, scale, softcap, HAS_SOFTCAP, BLOCK_M)
+                                           qk_scale2, scale, softcap, HAS_SOFTCAP, IS_ROW_INTERVAL, BLOCK_M)
             if is_last_pair & (t == n_tiles - 1):
                 mbarrier.arrive(kv_free.index(J), count=1)
                 kv_held = 0
@@ -444,7 +455,7 @@ def _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M: gl.constexpr, BLO
 def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
               IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
-              IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
+              IS_DYNAMIC: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[8]
     kv_ready = smem[4]
@@ -458,7 +469,7 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
             work = read_work(sched)
             mbarrier.wait(kv_ready.index(J), wi & 1)
             it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                                    STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
+                                    STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_ROW_INTERVAL, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -469,7 +480,7 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
                 work = plan_program(w, Hkv, Tk, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_N)
                 mbarrier.wait(kv_ready.index(J), wi & 1)
                 it = _consume_dkdv_work(ptrs, smem, scalars, work, it, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                        HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, J)
+                                        HAS_SOFTCAP, STAGES, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_ROW_INTERVAL, J)
                 wi += 1
 
 
@@ -477,10 +488,11 @@ def _consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.const
 def _consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                 HAS_PACKED_HEADS: gl.constexpr, IS_BY_ROWS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
+                IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
+                IS_ROW_INTERVAL: gl.constexpr):
     # Worker partitions share one signature: the second half's consumer, in the producer's.
     _consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-              IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
+              IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ROW_INTERVAL, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "Hkv", "G", "D", "DV"])
@@ -495,7 +507,7 @@ def bwd_dkdv_sm90_kernel(
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
-    IS_ADAPTIVE: gl.constexpr, ticket_ptr,
+    IS_ADAPTIVE: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, ticket_ptr,
 ):
     """The Triton dK/dV kernel's parameters, plus ``STAGES``, ``NUM_WARPS``, ``HAS_PACKED_HEADS`` (each row
     of q, k, v and dO holds its heads side by side, ``D`` and ``DV`` wide: one descriptor per tensor and
@@ -543,11 +555,13 @@ def bwd_dkdv_sm90_kernel(
     sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
         (_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
+                     IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ROW_INTERVAL, 0)),
         (_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
+                       HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE,
+                       IS_ROW_INTERVAL)),
         (_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, STAGES,
-                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
+                     HAS_PACKED_HEADS, IS_BY_ROWS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE,
+                     IS_ROW_INTERVAL)),
     ], [4, 1], [240, 24])
 
 
@@ -603,7 +617,8 @@ def _produce_dq_work(ptrs, smem, scalars, work, it, n_sl, last_a, last_b, packed
 def _dq_producer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                  STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                 IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
+                 IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
+                 IS_ROW_INTERVAL: gl.constexpr):
     q_ptr, k_ptr, v_ptr = ptrs[0], ptrs[1], ptrs[2]
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Tk, Hq, G = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -657,15 +672,19 @@ def _slice_keys(slices_ptr, s, r0, r1, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _dq_scores(qk, dp, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi, qk_scale2, scale, softcap,
-               col_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
+               col_s: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """dS of one tile from its S and dP (rows by keys), masked at the slice's cells."""
     p, th = _probs(qk, lse2, qk_scale2, scale, softcap, 1, HAS_SOFTCAP)
     is_edge = (c < f_lo) | (c + BLOCK_N > f_hi)
     if is_edge:
-        offs_n = c + gl.arange(0, BLOCK_N, layout=col_s)
-        diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
-        cell = (gl.expand_dims((offs_m >= qs) & (offs_m < qe), 1)
-                & gl.expand_dims((offs_n >= n_lo) & (offs_n < n_hi), 0) & (diag <= d_hi) & (diag >= d_lo))
+        if IS_ROW_INTERVAL:
+            cell = row_cells(offs_m, gl.arange(0, BLOCK_N, layout=col_s), c, (offs_m >= qs) & (offs_m < qe), n_lo,
+                             n_hi, d_lo, d_hi)
+        else:
+            offs_n = c + gl.arange(0, BLOCK_N, layout=col_s)
+            diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)
+            cell = (gl.expand_dims((offs_m >= qs) & (offs_m < qe), 1)
+                    & gl.expand_dims((offs_n >= n_lo) & (offs_n < n_hi), 0) & (diag <= d_hi) & (diag >= d_lo))
         p = gl.where(cell, p, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 1))
     if HAS_SOFTCAP:
@@ -677,7 +696,7 @@ def _dq_scores(qk, dp, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d
 def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                      HAS_DLSE: gl.constexpr, STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                     IS_DV_PADDED: gl.constexpr, J: gl.constexpr):
+                     IS_DV_PADDED: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, J: gl.constexpr):
     """Rows ``[r0 + J * BLOCK_M / 2, ...)`` of one work item's block, on one warpgroup, from ring tile ``it``
     (``wi`` items before it); returns ``it`` advanced. The query half is released after its last matmul."""
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, ws_ptr, dq_ptr, slices_ptr, order_ptrs = ptrs
@@ -769,13 +788,13 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
                 dq = warpgroup_mma(ds_op, k_smem.index(p_slot), dq, is_async=True)
                 sc, dpc, do_op = warpgroup_mma_wait(1, deps=(qk, dp, do_op))
                 ds = _dq_scores(sc, dpc, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi,
-                                qk_scale2, scale, softcap, col_s, HAS_SOFTCAP, BLOCK_N)
+                                qk_scale2, scale, softcap, col_s, HAS_SOFTCAP, IS_ROW_INTERVAL, BLOCK_N)
                 dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
                 mbarrier.arrive(empty.index(p_slot), count=1)
             else:
                 sc, dpc, do_op = warpgroup_mma_wait(0, deps=(qk, dp, do_op))
                 ds = _dq_scores(sc, dpc, lse2, delta, offs_m, c, f_lo, f_hi, qs, qe, n_lo, n_hi, d_lo, d_hi,
-                                qk_scale2, scale, softcap, col_s, HAS_SOFTCAP, BLOCK_N)
+                                qk_scale2, scale, softcap, col_s, HAS_SOFTCAP, IS_ROW_INTERVAL, BLOCK_N)
             if is_last_slice & (t == n_tiles - 1):
                 mbarrier.arrive(q_free.index(J), count=1)
                 q_held = 0
@@ -799,7 +818,7 @@ def _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M: gl.constexpr, B
 def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                  STAGES: gl.constexpr, IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr,
-                 IS_DYNAMIC: gl.constexpr, J: gl.constexpr):
+                 IS_DYNAMIC: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, J: gl.constexpr):
     """Half ``J`` of every work item of this program, on one warpgroup."""
     block_lo_ptr, block_hi_ptr, block_order_ptr = ptrs[10]
     Tq, Hq = scalars[0], scalars[2]
@@ -812,7 +831,7 @@ def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
         while w < n_work:
             work = read_work(sched)
             it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                  HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, J)
+                                  HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, IS_ROW_INTERVAL, J)
             wi += 1
             w = read_ticket(sched, wi)
     else:
@@ -822,7 +841,7 @@ def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
             if w < n_work:
                 work = plan_program(w, Hq, Tq, block_order_ptr, block_lo_ptr, block_hi_ptr, SPLIT, BLOCK_M)
                 it = _consume_dq_work(ptrs, smem, scalars, work, it, wi, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                      HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, J)
+                                      HAS_SOFTCAP, HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, IS_ROW_INTERVAL, J)
                 wi += 1
 
 
@@ -830,9 +849,10 @@ def _dq_consumer(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.co
 def _dq_consumer_1(ptrs, smem, scalars, sched, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
                    STAGES: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_D_PADDED: gl.constexpr,
-                   IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr):
+                   IS_DV_PADDED: gl.constexpr, IS_DYNAMIC: gl.constexpr, IS_ADAPTIVE: gl.constexpr,
+                   IS_ROW_INTERVAL: gl.constexpr):
     _dq_consumer(ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_DLSE,
-                 STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 1)
+                 STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ROW_INTERVAL, 1)
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "Hq", "G", "D", "DV"])
@@ -849,7 +869,7 @@ def bwd_dq_sm90_kernel(
     IS_D_PADDED: gl.constexpr, IS_DV_PADDED: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_PACKED_HEADS: gl.constexpr, IS_DYNAMIC: gl.constexpr,
-    IS_ADAPTIVE: gl.constexpr, ticket_ptr,
+    IS_ADAPTIVE: gl.constexpr, IS_ROW_INTERVAL: gl.constexpr, ticket_ptr,
 ):
     """The Triton dQ kernel's parameters, plus ``STAGES``, ``NUM_WARPS`` (``BLOCK_M`` = 128),
     ``HAS_PACKED_HEADS`` (q, k and v), ``IS_DYNAMIC``, ``IS_ADAPTIVE`` and ``ticket_ptr``, as in the dK/dV
@@ -883,9 +903,11 @@ def bwd_dq_sm90_kernel(
     sched = (ticket_ptr, item, posted)
     gl.warp_specialize([
         (_dq_consumer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, 0)),
+                        HAS_DLSE, STAGES, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ROW_INTERVAL, 0)),
         (_dq_consumer_1, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                          HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
+                          HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE,
+                          IS_ROW_INTERVAL)),
         (_dq_producer, (ptrs, smem, scalars, sched, SPLIT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP,
-                        HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE)),
+                        HAS_DLSE, STAGES, HAS_PACKED_HEADS, IS_D_PADDED, IS_DV_PADDED, IS_DYNAMIC, IS_ADAPTIVE,
+                        IS_ROW_INTERVAL)),
     ], [4, 1], [240, 24])

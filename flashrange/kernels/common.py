@@ -357,9 +357,15 @@ def row_cells(offs_m, offs_n, row_ok, ks, ke, d_lo, d_hi):
 
 @triton.jit
 def dkdv_cells(offs_n, offs_m, ks, ke, d_lo, d_hi):
-    """The slice's cells among keys ``offs_n`` by rows ``offs_m`` (diagonal bounds of key - row)."""
-    diag = offs_n[:, None] - offs_m[None, :]
-    return ((offs_n >= ks) & (offs_n < ke))[:, None] & (diag <= d_hi) & (diag >= d_lo)
+    """The slice's cells among keys ``offs_n`` by rows ``offs_m``, rows unchecked: for a key ``n`` in ``[ks, ke)``
+    the rows ``[n - d_hi, n - d_lo + 1)`` (diagonal bounds of key - row), one unsigned compare per cell
+    (``row_cells``, by keys)."""
+    n = offs_n[:, None]
+    # Clamped to rows [0, 2^31 - 1), so that no sum leaves int32 (rows are never negative).
+    lo = n - tl.minimum(d_hi, n)
+    hi = n + tl.minimum(1 - d_lo, 2147483647 - n)
+    width = tl.where(((offs_n >= ks) & (offs_n < ke))[:, None], tl.maximum(hi - lo, 0), 0)
+    return (offs_m[None, :] - lo).to(tl.uint32, bitcast=True) < width.to(tl.uint32, bitcast=True)
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from ..constants import FWD_DYNAMIC_MIN_LEN, MAX_TOKENS
 from .common import (DEV_LN2, DEV_NO_DIAGONAL, forward_walk, full_tile_run, merged_rows, merged_span,
                      plan_program)
 from .sm90_common import (bounded_desc, issue_tiles, load_slice, next_item, nth_work, packed_qkv, post_item,
-                          read_ticket, read_work, sched_buffers, store_rows, takes_tickets, tma_load,
+                          read_ticket, read_work, row_cells, sched_buffers, store_rows, takes_tickets, tma_load,
                           wait_halves_free, wait_tiles_landed)
 
 __all__ = ["range_attn_fwd_sm90_ws_kernel"]
@@ -96,21 +96,6 @@ def _exp2_mixed(x, POLY_QUARTERS: gl.constexpr):
 
 
 @gluon.jit
-def _row_cells(s, offs_m, k_tile, row_ok, ks, ke, d_lo, d_hi):
-    """The slice's cells of a score tile whose first key is ``k_tile``: in row ``r`` the keys
-    ``[max(ks, r + d_lo), min(ke, r + d_hi + 1))``, none where ``row_ok`` is false (docs/design.md, "Edge
-    tiles"). ``ks``, ``ke``, ``d_lo``, ``d_hi``: scalars, or ``[rows, 1]`` columns for merged tiles."""
-    r = gl.expand_dims(offs_m, 1)
-    # r + max(d_lo, ks - r) rather than max(ks, r + d_lo): no sum leaves int32 (|d_lo|, |d_hi| <= 2^30).
-    lo = r + gl.maximum(d_lo, ks - r) - k_tile
-    hi = r + gl.minimum(d_hi + 1, ke - r) - k_tile
-    width = gl.where(gl.expand_dims(row_ok, 1), gl.maximum(hi - lo, 0), 0)
-    col = gl.expand_dims(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), 0)
-    # One unsigned compare per cell: a column left of the interval wraps to a large offset.
-    return (col - lo).to(gl.uint32, bitcast=True) < width.to(gl.uint32, bitcast=True)
-
-
-@gluon.jit
 def _softmax_step(
     s, m_i, l_i, offs_m, k_tile, is_edge, row_ok, ks, ke, d_lo, d_hi, qk_scale, cap_in, cap_out,
     HAS_SOFTCAP: gl.constexpr, IS_SCALE_FOLDED: gl.constexpr, POLY_QUARTERS: gl.constexpr,
@@ -124,10 +109,11 @@ def _softmax_step(
     elif not IS_SCALE_FOLDED:
         s = s * qk_scale
     if is_edge:
+        cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         if IS_ROW_INTERVAL:
-            mask = _row_cells(s, offs_m, k_tile, row_ok, ks, ke, d_lo, d_hi)
+            mask = row_cells(offs_m, cols, k_tile, row_ok, ks, ke, d_lo, d_hi)
         else:
-            j = gl.expand_dims(k_tile + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), 0)
+            j = gl.expand_dims(k_tile + cols, 0)
             diag = j - gl.expand_dims(offs_m, 1)
             mask = gl.expand_dims(row_ok, 1) & ((j >= ks) & (j < ke)) & (diag <= d_hi) & (diag >= d_lo)
         s = gl.where(mask, s, float("-inf"))

@@ -27,9 +27,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "load_slice", "next_item",
-           "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "sched_buffers", "store_rows",
-           "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
+__all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "key_cells", "load_slice",
+           "next_item", "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "row_cells", "sched_buffers",
+           "store_rows", "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -284,3 +284,31 @@ def sched_buffers():
     posted = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(posted, count=1)
     return item, posted
+
+
+@gluon.jit
+def row_cells(offs_m, cols, k0, row_ok, ks, ke, d_lo, d_hi):
+    """The slice's cells of a (rows x keys) tile whose keys are ``k0 + cols``: in row ``r`` the keys
+    ``[max(ks, r + d_lo), min(ke, r + d_hi + 1))``, none where ``row_ok`` is false, one unsigned compare per cell
+    (docs/design.md, "Edge tiles"; the Triton kernels' ``common.row_cells``). ``ks``, ``ke``, ``d_lo``, ``d_hi``:
+    scalars, or ``[rows, 1]`` columns. ``k0`` taken off each row's bound (not added to each cell's key) saves an
+    add per cell."""
+    r = gl.expand_dims(offs_m, 1)
+    # r + max(d_lo, ks - r) rather than max(ks, r + d_lo): no sum leaves int32 (|d_lo|, |d_hi| <= 2^30).
+    lo = r + gl.maximum(d_lo, ks - r) - k0
+    hi = r + gl.minimum(d_hi + 1, ke - r) - k0
+    width = gl.where(gl.expand_dims(row_ok, 1), gl.maximum(hi - lo, 0), 0)
+    # A key left of the interval wraps to a large unsigned offset.
+    return (gl.expand_dims(cols, 0) - lo).to(gl.uint32, bitcast=True) < width.to(gl.uint32, bitcast=True)
+
+
+@gluon.jit
+def key_cells(offs_n, offs_m, ks, ke, d_lo, d_hi):
+    """The slice's cells of a (keys x rows) tile, rows unchecked: for key ``n`` in ``[ks, ke)`` the rows
+    ``[n - d_hi, n - d_lo + 1)``, one unsigned compare per cell (the Triton kernels' ``common.dkdv_cells``)."""
+    n = gl.expand_dims(offs_n, 1)
+    # Clamped to rows [0, 2^31 - 1), so that no sum leaves int32 (rows are never negative).
+    lo = n - gl.minimum(d_hi, n)
+    hi = n + gl.minimum(1 - d_lo, 2147483647 - n)
+    width = gl.where(gl.expand_dims((offs_n >= ks) & (offs_n < ke), 1), gl.maximum(hi - lo, 0), 0)
+    return (gl.expand_dims(offs_m, 0) - lo).to(gl.uint32, bitcast=True) < width.to(gl.uint32, bitcast=True)
