@@ -585,13 +585,14 @@ def test_hopper_poly_exp2_keeps_nan_where_it_is_read(config, D):
     rows NaN, as MUFU's exp2 does; masked cells (``-inf``) stay out of the other slice's rows.
 
     Keys 0-15 are NaN and rows 0-99 read them, so every register position of the split (column pairs,
-    rows 8 apart) meets a NaN; rows 100-299 read keys 128-299 causally and must stay finite.
+    rows 8 apart) meets a NaN; rows 100-299 read keys 100-299 causally (each at least its own key, the cells
+    past the diagonal masked) and must stay finite.
     """
     T = 300
     q, k, v = make_qkv(T, T, 2, 1, D, D, torch.bfloat16, DEV, seed=5)
     k[:16] = float("nan")
     qr = torch.tensor([[0, 100], [100, 300]], dtype=torch.int32)
-    kr = torch.tensor([[0, 128], [128, 300]], dtype=torch.int32)
+    kr = torch.tensor([[0, 128], [100, 300]], dtype=torch.int32)
     mt = torch.tensor([FULL, CAUSAL], dtype=torch.int32)
     out, lse = _run(q, k, v, qr, kr, mt, D ** -0.5, config=config)
     assert bool(torch.isnan(out[:100]).all()) and bool(torch.isnan(lse[:100]).all())
