@@ -68,8 +68,8 @@ _EDITS = [
      "    it0 = it\n"
      "    it, n_blk, t_loop = _consume_work("),
     ("forward_sm90.py",
-     "IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, J)\n    return it, n_blk\n",
-     "IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, J)\n"
+     "IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL, J)\n    return it, n_blk\n",
+     "IS_KV_SPLIT, Q_BUFS, POLY_QUARTERS, IS_ROW_INTERVAL, J)\n"
      "    t_end = _clock(wi)\n"
      "    tr = ptrs[5] + (w.to(gl.int64) * 2 + J) * 8\n"
      "    gl.store(tr + 0, t_wait.to(gl.float32, bitcast=True))\n"
