@@ -86,6 +86,7 @@ def _cell(offs_n, offs_m, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL: gl.constexpr):
 def _cell_rows(offs_m, offs_n, ks, ke, d_lo, d_hi, IS_ROW_INTERVAL: gl.constexpr):
     """``_cell`` of a (rows x keys) tile (``sm90_common.row_cells`` with ``IS_ROW_INTERVAL``)."""
     if IS_ROW_INTERVAL:
+        # Rows unchecked, as below: every row counts as inside the slice.
         return row_cells(offs_m, offs_n, 0, offs_m >= 0, ks, ke, d_lo, d_hi)
     else:
         diag = gl.expand_dims(offs_n, 0) - gl.expand_dims(offs_m, 1)

@@ -475,10 +475,9 @@ def _consume_tiles(
             mbarrier.wait(ready.index(slot), (cur // STAGES) & 1)
             s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
             is_edge = (t < n_full_lo) | (t >= n_full_hi)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, k_lo + t * BLOCK_N, is_edge, row_ok, ks, ke, d_lo,
-                                               d_hi,
-                                               qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED, POLY_QUARTERS,
-                                               IS_ROW_INTERVAL)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, k_lo + t * BLOCK_N, is_edge, row_ok, ks, ke,
+                                               d_lo, d_hi, qk_scale, cap_in, cap_out, HAS_SOFTCAP, IS_SCALE_FOLDED,
+                                               POLY_QUARTERS, IS_ROW_INTERVAL)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc)

@@ -28,8 +28,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 __all__ = ["bounded_desc", "cta_barrier", "issue_bounded", "issue_run", "issue_tiles", "key_cells", "load_slice",
-           "next_item", "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "row_cells", "sched_buffers",
-           "store_rows", "take_item", "takes_tickets", "tma_load", "wait_halves_free", "wait_tiles_landed"]
+           "next_item", "nth_work", "packed_qkv", "post_item", "read_ticket", "read_work", "row_cells",
+           "sched_buffers", "store_rows", "take_item", "takes_tickets", "tma_load", "wait_halves_free",
+           "wait_tiles_landed"]
 
 # Gluon's TMA load was renamed (``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
